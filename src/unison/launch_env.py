@@ -1,0 +1,64 @@
+"""The environment-variable contract between `unison launch` and the library.
+
+`unison launch --mixed-precision bf16 ...` does not talk to the worker processes directly: it exports
+the variables below, and `Accelerator()` reads them as its defaults. Arguments given in code always
+win. The same variables can be exported by hand, so `python train.py`, torchrun and srun runs can be
+configured without touching the script.
+
+| variable                             | Accelerator argument          | values            |
+| ------------------------------------ | ----------------------------- | ----------------- |
+| UNISON_MIXED_PRECISION               | mixed_precision               | no, bf16, fp16    |
+| UNISON_GRADIENT_ACCUMULATION_STEPS   | gradient_accumulation_steps   | integer >= 1      |
+| UNISON_CPU                           | cpu                           | 1/true or 0/false |
+| UNISON_TIMEOUT                       | timeout (seconds)             | number > 0        |
+"""
+
+from __future__ import annotations
+
+import os
+
+MIXED_PRECISION = "UNISON_MIXED_PRECISION"
+GRADIENT_ACCUMULATION_STEPS = "UNISON_GRADIENT_ACCUMULATION_STEPS"
+CPU = "UNISON_CPU"
+TIMEOUT = "UNISON_TIMEOUT"
+
+ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT)
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+def env_str(name: str, default: str) -> str:
+    return os.environ.get(name, default).strip() or default
+
+
+def env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer; export a whole number such as {name}=2.") from None
+
+
+def env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None or not raw.strip():
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number; export seconds such as {name}=600.") from None
+
+
+def env_bool(name: str, default: bool) -> bool:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(f"{name}={raw!r} is not a boolean; export {name}=1 or {name}=0.")

@@ -1,0 +1,436 @@
+"""The one shared "who am I" state of a process: rank, device, backend and the process group.
+
+`PartialState` is usable on its own (inference, data preparation); `AcceleratorState` adds the
+training settings an `Accelerator` was built with; `GradientState` says whether this micro-step
+synchronises gradients. Each is a Borg: every instance of a class shares one dictionary, so any
+module can ask "am I the main process?" cheaply without the state being passed around.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import enum
+import functools
+import logging
+import os
+import sys
+import traceback
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import launch_env
+from .environment import ProcessLayout, detect_layout
+
+logger = logging.getLogger("unison")
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+
+
+class DistributedType(str, enum.Enum):
+    """How the processes of a run cooperate (Accelerate's names)."""
+
+    NO = "NO"
+    MULTI_CPU = "MULTI_CPU"
+    MULTI_GPU = "MULTI_GPU"
+
+
+def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
+    if timeout is None:
+        timeout = launch_env.env_float(launch_env.TIMEOUT, DEFAULT_TIMEOUT_SECONDS)
+    if isinstance(timeout, timedelta):
+        timeout = timeout.total_seconds()
+    if not timeout > 0:
+        raise ValueError(
+            f"timeout={timeout!r} seconds is not allowed: collectives need a finite, positive timeout "
+            "so a stuck process cannot hang the others forever. Pass e.g. timeout=600."
+        )
+    return timedelta(seconds=float(timeout))
+
+
+def _pick_device(layout: ProcessLayout, cpu: bool) -> tuple[torch.device, str]:
+    """Device and process-group backend: cuda:LOCAL_RANK + NCCL, else MPS (one process), else CPU + gloo."""
+    if not cpu and torch.cuda.is_available():
+        visible = torch.cuda.device_count()
+        if layout.local_world_size > visible:
+            raise ValueError(
+                f"{layout.local_world_size} processes were started on this node but only {visible} GPU(s) "
+                "are visible: each process needs its own GPU. Start at most that many processes per "
+                "node (--nproc-per-node), or pass --cpu / Accelerator(cpu=True) to train on the CPU."
+            )
+        return torch.device("cuda", layout.local_rank), "nccl"
+    if not cpu and layout.world_size == 1 and torch.backends.mps.is_available():
+        return torch.device("mps"), "gloo"
+    return torch.device("cpu"), "gloo"
+
+
+def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
+    """The key-value store the process group forms through.
+
+    Under torchrun the elastic agent already hosts a TCPStore on MASTER_PORT, and after a restart it
+    still holds the keys of the failed attempt (pytorch#135712): namespacing the group's keys by the
+    restart count lets a restarted attempt form a fresh group. Under SLURM, rank 0 hosts the store.
+    """
+    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+    store = dist.TCPStore(
+        host_name=layout.master_addr,
+        port=layout.master_port,
+        world_size=None if agent_hosts_store else layout.world_size,
+        is_master=layout.rank == 0 and not agent_hosts_store,
+        timeout=timeout,
+        wait_for_workers=False,
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"unison/attempt{attempt}/", store)
+
+
+def _exit_whole_process_on_uncaught_error() -> None:
+    """Make an uncaught exception end this process at once, so its peers fail fast instead of hanging.
+
+    A rank that raises while a non-daemon thread lives (a DataLoader worker feeder, a logger) would
+    otherwise stay alive; its peers then wait in a collective until the timeout. Printing the
+    traceback and calling os._exit closes the sockets: the peers error out within a second.
+    """
+    previous_hook = sys.excepthook
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
+
+    def hook(exc_type, exc, tb):
+        if issubclass(exc_type, KeyboardInterrupt):
+            previous_hook(exc_type, exc, tb)
+        else:
+            sys.stderr.write(f"[unison] rank {rank} failed:\n")
+            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(1)
+
+    sys.excepthook = hook
+
+
+def _destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+class PartialState:
+    """Process facts and the process group, shared by every instance in the process.
+
+    The first construction detects the environment (torchrun / `unison launch`, SLURM srun, or plain
+    python), picks the device and backend, and forms the process group once with a finite timeout.
+    Later constructions return the same state; asking for a different `cpu` or `timeout` then is an
+    error rather than a silent no-op.
+    """
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, cpu: bool | None = None, timeout: float | timedelta | None = None):
+        self.__dict__ = self._shared_state
+        cpu_requested = launch_env.env_bool(launch_env.CPU, False) if cpu is None else bool(cpu)
+        if self.initialized:
+            self._check_compatible(cpu, timeout)
+            return
+        layout = detect_layout()
+        self.layout = layout
+        self.timeout = _as_timedelta(timeout)
+        self.cpu = cpu_requested
+        self.device, self.backend = _pick_device(layout, cpu_requested)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        if layout.world_size > 1:
+            self._init_process_group()
+        self.distributed_type = (
+            DistributedType.NO
+            if layout.world_size == 1
+            else DistributedType.MULTI_GPU
+            if self.device.type == "cuda"
+            else DistributedType.MULTI_CPU
+        )
+        self._shared_state["initialized"] = True
+
+    def _init_process_group(self) -> None:
+        layout = self.layout
+        if dist.is_initialized():  # the user formed it already: adopt it rather than fight it
+            if dist.get_world_size() != layout.world_size:
+                raise RuntimeError(
+                    f"a process group of {dist.get_world_size()} processes already exists but the environment "
+                    f"says {layout.world_size}; create it with the launcher's WORLD_SIZE or let unison do it."
+                )
+            self.backend = dist.get_backend()
+            return
+        kwargs: dict[str, Any] = {}
+        if self.backend == "nccl":
+            kwargs["device_id"] = self.device
+        dist.init_process_group(
+            backend=self.backend,
+            store=_rendezvous_store(layout, self.timeout),
+            rank=layout.rank,
+            world_size=layout.world_size,
+            timeout=self.timeout,
+            **kwargs,
+        )
+        atexit.register(_destroy_process_group)
+        _exit_whole_process_on_uncaught_error()
+
+    def _check_compatible(self, cpu: bool | None, timeout: float | timedelta | None) -> None:
+        if cpu is not None and bool(cpu) != self.cpu:
+            raise ValueError(
+                f"cpu={cpu} conflicts with the existing process state (cpu={self.cpu}, device {self.device}): "
+                "the device is chosen once per process. Create the first PartialState/Accelerator with "
+                "the setting you want."
+            )
+        if timeout is not None and _as_timedelta(timeout) != self.timeout:
+            raise ValueError(
+                f"timeout={timeout} conflicts with the existing process group's timeout "
+                f"({self.timeout.total_seconds():g} s): the group is formed once per process. Pass the "
+                "timeout to the first PartialState/Accelerator."
+            )
+
+    @property
+    def initialized(self) -> bool:
+        return self._shared_state.get("initialized", False)
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        """Forget the shared state (tests only). Does not destroy the process group."""
+        cls._shared_state.clear()
+
+    # -- who am I ------------------------------------------------------------------------------
+    @property
+    def num_processes(self) -> int:
+        return self.layout.world_size
+
+    @property
+    def process_index(self) -> int:
+        return self.layout.rank
+
+    @property
+    def local_process_index(self) -> int:
+        return self.layout.local_rank
+
+    @property
+    def num_local_processes(self) -> int:
+        return self.layout.local_world_size
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.layout.world_size > 1
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.process_index == 0
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.local_process_index == 0
+
+    @property
+    def is_last_process(self) -> bool:
+        return self.process_index == self.num_processes - 1
+
+    # -- coordination --------------------------------------------------------------------------
+    def wait_for_everyone(self) -> None:
+        """Barrier: every process waits here until all have arrived (no-op with one process)."""
+        if self.use_distributed:
+            dist.barrier()
+
+    @contextlib.contextmanager
+    def _go_first(self, is_first: bool) -> Iterator[None]:
+        if not is_first:
+            self.wait_for_everyone()
+        yield
+        if is_first:
+            self.wait_for_everyone()
+
+    def main_process_first(self):
+        """Context manager: the main process runs the block first (e.g. a download), then the others."""
+        return self._go_first(self.is_main_process)
+
+    def local_main_process_first(self):
+        """Context manager: each node's local main process runs the block first, then the others."""
+        return self._go_first(self.is_local_main_process)
+
+    @contextlib.contextmanager
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> Iterator[Any]:
+        """Yield this process's contiguous share of `inputs` (list, tuple, tensor, or dict of those).
+
+        The first `len % num_processes` processes get one extra item. With apply_padding, shorter
+        shares are padded with the last item so every process holds the same length (for gather).
+        """
+        yield split_for_process(inputs, self.num_processes, self.process_index, apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` on the main process only (returns None elsewhere)."""
+        return self._only_if(function, lambda: self.is_main_process)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` on each node's local main process only."""
+        return self._only_if(function, lambda: self.is_local_main_process)
+
+    def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
+        """Decorator: run `function` on the process with this index only."""
+        if function is None:
+            return functools.partial(self.on_process, process_index=process_index)
+        return self._only_if(function, lambda: self.process_index == process_index)
+
+    @staticmethod
+    def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
+        @functools.wraps(function)
+        def wrapper(*args, **kwargs):
+            return function(*args, **kwargs) if condition() else None
+
+        return wrapper
+
+    def print(self, *args, **kwargs) -> None:
+        """print() on the main process only."""
+        if self.is_main_process:
+            print(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return (
+            f"Distributed environment: {self.distributed_type.value}  Backend: {self.backend}\n"
+            f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
+            f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
+        )
+
+
+def _split_sequence_bounds(length: int, num_processes: int, process_index: int) -> tuple[int, int]:
+    base, extra = divmod(length, num_processes)
+    start = process_index * base + min(process_index, extra)
+    return start, start + base + (1 if process_index < extra else 0)
+
+
+def split_for_process(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
+    """This process's contiguous share of `inputs`; see PartialState.split_between_processes."""
+    if num_processes == 1:
+        return inputs
+    if isinstance(inputs, dict):
+        lengths = {len(v) for v in inputs.values()}
+        if len(lengths) > 1:
+            raise ValueError(
+                f"split_between_processes got a dict whose values have different lengths {sorted(lengths)}: "
+                "every value must have the same length so that process i gets the same rows of each."
+            )
+        return {k: split_for_process(v, num_processes, process_index, apply_padding) for k, v in inputs.items()}
+    if not isinstance(inputs, (list, tuple, torch.Tensor)):
+        raise TypeError(
+            f"split_between_processes cannot split a {type(inputs).__name__}: pass a list, tuple, tensor, "
+            "or a dict of those."
+        )
+    start, end = _split_sequence_bounds(len(inputs), num_processes, process_index)
+    share = inputs[start:end]
+    if apply_padding:
+        longest = -(-len(inputs) // num_processes)
+        missing = longest - len(share)
+        if missing and len(inputs):
+            last = inputs[-1:] if len(share) == 0 else share[-1:]
+            if isinstance(share, torch.Tensor):
+                share = torch.cat([share] + [last] * missing)
+            else:
+                share = share + type(share)(last) * missing
+    return share
+
+
+class GradientState:
+    """Whether this micro-step synchronises gradients, and where the active data loader stands.
+
+    Shared by the Accelerator (which decides when to sync) and the prepared data loaders (which know
+    when they yield their last batch, so the last micro-step of an epoch always synchronises and
+    gather_for_metrics can drop the duplicated samples of the final round).
+    """
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(self, gradient_accumulation_steps: int | None = None):
+        self.__dict__ = self._shared_state
+        if not self._shared_state:
+            self.num_steps = 1
+            self.sync_gradients = True
+            self.active_dataloaders: list[Any] = []
+        if gradient_accumulation_steps is not None:
+            self.num_steps = gradient_accumulation_steps
+
+    @property
+    def active_dataloader(self) -> Any | None:
+        return self.active_dataloaders[-1] if self.active_dataloaders else None
+
+    @property
+    def end_of_dataloader(self) -> bool:
+        loader = self.active_dataloader
+        return bool(loader is not None and loader.end_of_dataloader)
+
+    @property
+    def remainder(self) -> int:
+        """Rows of the final gathered batch that are real data (-1: no padding to drop)."""
+        loader = self.active_dataloader
+        return -1 if loader is None else loader.remainder
+
+    @property
+    def in_dataloader(self) -> bool:
+        return bool(self.active_dataloaders)
+
+    def _add_dataloader(self, loader: Any) -> None:
+        self.active_dataloaders.append(loader)
+
+    def _remove_dataloader(self, loader: Any) -> None:
+        if loader in self.active_dataloaders:
+            self.active_dataloaders.remove(loader)
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        cls._shared_state.clear()
+
+
+MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
+
+
+class AcceleratorState:
+    """PartialState plus the training settings of the process's Accelerator (one set per process)."""
+
+    _shared_state: dict[str, Any] = {}
+
+    def __init__(
+        self,
+        mixed_precision: str | None = None,
+        cpu: bool | None = None,
+        timeout: float | timedelta | None = None,
+    ):
+        self.__dict__ = self._shared_state
+        self.partial = PartialState(cpu=cpu, timeout=timeout)
+        if mixed_precision is not None:
+            mixed_precision = validate_mixed_precision(mixed_precision)
+        if self._shared_state.get("initialized"):
+            if mixed_precision is not None and mixed_precision != self.mixed_precision:
+                raise ValueError(
+                    f"mixed_precision={mixed_precision!r} conflicts with the existing Accelerator's "
+                    f"mixed_precision={self.mixed_precision!r}: one process trains with one precision. "
+                    "Create a single Accelerator, or pass the same value to both."
+                )
+            return
+        if mixed_precision is None:
+            mixed_precision = validate_mixed_precision(launch_env.env_str(launch_env.MIXED_PRECISION, "no"))
+        self.mixed_precision = mixed_precision
+        self.initialized = True
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__") or name == "partial":
+            raise AttributeError(name)
+        return getattr(self.partial, name)
+
+    @classmethod
+    def _reset_state(cls) -> None:
+        cls._shared_state.clear()
+
+
+def validate_mixed_precision(value: str) -> str:
+    normalised = str(value).lower()
+    if normalised not in MIXED_PRECISION_CHOICES:
+        raise ValueError(
+            f"mixed_precision={value!r} is unknown: choose one of {', '.join(MIXED_PRECISION_CHOICES)} "
+            "(bf16 works on CPUs and recent GPUs; fp16 needs a GPU to be fast)."
+        )
+    return normalised
