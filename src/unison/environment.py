@@ -37,7 +37,9 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; the launcher that set it is misconfigured.") from None
+        raise ValueError(
+            f"{name}={raw!r} is not an integer; the launcher that set it is misconfigured."
+        ) from None
 
 
 class TorchElasticEnvironment:
@@ -80,7 +82,8 @@ class SlurmEnvironment:
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
-            port = DEFAULT_SLURM_PORT_BASE + int(env.get("SLURM_JOB_ID", "0") or 0) % 10000
+            job_id = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
+            port = DEFAULT_SLURM_PORT_BASE + job_id % 10000
         world_size = _int(env, "SLURM_NTASKS")
         return ProcessLayout(
             source="slurm",
@@ -143,10 +146,33 @@ def first_host(nodelist: str) -> str:
 
 
 def slurm_tasks_on_this_node(env: Mapping[str, str], world_size: int) -> int:
-    """Tasks on this node, from SLURM_NTASKS_PER_NODE or SLURM_TASKS_PER_NODE ('4(x2),3' -> 4)."""
-    raw = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
-    if not raw:
-        nnodes = int(env.get("SLURM_NNODES", "1") or 1)
+    """Tasks on this node: SLURM_NTASKS_PER_NODE, else this node's entry (SLURM_NODEID) of the step's
+    or job's tasks-per-node list ('4(x2),3' -> [4, 4, 3]: 4 on nodes 0 and 1, 3 on node 2)."""
+    if env.get("SLURM_NTASKS_PER_NODE"):
+        return _int(env, "SLURM_NTASKS_PER_NODE")
+    name = "SLURM_STEP_TASKS_PER_NODE" if env.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    if not env.get(name):
+        nnodes = _int(env, "SLURM_NNODES") if env.get("SLURM_NNODES") else 1
         return max(world_size // max(nnodes, 1), 1)
-    match = re.match(r"(\d+)", raw)
-    return int(match.group(1)) if match else world_size
+    counts = expand_tasks_per_node(env[name])
+    node = _int(env, "SLURM_NODEID") if env.get("SLURM_NODEID") else 0
+    if not 0 <= node < len(counts):
+        raise ValueError(
+            f"SLURM_NODEID={node} has no entry in {name}={env[name]!r} ({len(counts)} nodes): the SLURM "
+            "variables disagree; export SLURM_NTASKS_PER_NODE to say how many tasks run on this node."
+        )
+    return counts[node]
+
+
+def expand_tasks_per_node(spec: str) -> list[int]:
+    """SLURM's compressed tasks-per-node list, one entry per node: '4(x2),3' -> [4, 4, 3]."""
+    counts: list[int] = []
+    for part in spec.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if match is None:
+            raise ValueError(
+                f"cannot read the SLURM tasks-per-node list {spec!r}: expected entries such as '4' or "
+                "'4(x2)' separated by commas. Export SLURM_NTASKS_PER_NODE to override it."
+            )
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    return counts

@@ -12,9 +12,11 @@ import atexit
 import contextlib
 import enum
 import functools
+import json
 import logging
 import os
 import sys
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -102,13 +104,30 @@ def _exit_whole_process_on_uncaught_error() -> None:
         if issubclass(exc_type, KeyboardInterrupt):
             previous_hook(exc_type, exc, tb)
         else:
-            sys.stderr.write(f"[unison] rank {rank} failed:\n")
-            sys.stderr.write("".join(traceback.format_exception(exc_type, exc, tb)))
+            text = "".join(traceback.format_exception(exc_type, exc, tb))
+            sys.stderr.write(f"[unison] rank {rank} failed:\n{text}")
+            _record_for_the_elastic_agent(rank, f"{exc_type.__name__}: {exc}", text)
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(1)
 
     sys.excepthook = hook
+
+
+def _record_for_the_elastic_agent(rank: str, message: str, text: str) -> None:
+    """Write the error file torch's elastic agent reads (as its @record would), with the exact time.
+
+    torch's own timestamp has whole seconds, too coarse to tell the rank that failed first from the
+    peers that failed 0.2 s later because it went away; `unison launch` and `notebook_launcher` name
+    the rank with the smallest `unison_failed_at`.
+    """
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    now = time.time()
+    extra = {"py_callstack": text, "timestamp": str(int(now)), "unison_failed_at": now, "unison_rank": rank}
+    with contextlib.suppress(OSError), open(path, "w") as file:
+        json.dump({"message": {"message": message, "extraInfo": extra}}, file)
 
 
 def _destroy_process_group() -> None:
@@ -157,8 +176,9 @@ class PartialState:
         if dist.is_initialized():  # the user formed it already: adopt it rather than fight it
             if dist.get_world_size() != layout.world_size:
                 raise RuntimeError(
-                    f"a process group of {dist.get_world_size()} processes already exists but the environment "
-                    f"says {layout.world_size}; create it with the launcher's WORLD_SIZE or let unison do it."
+                    f"a process group of {dist.get_world_size()} processes already exists but the "
+                    f"environment says {layout.world_size}; create it with the launcher's WORLD_SIZE or let "
+                    "unison do it."
                 )
             self.backend = dist.get_backend()
             return
@@ -179,9 +199,9 @@ class PartialState:
     def _check_compatible(self, cpu: bool | None, timeout: float | timedelta | None) -> None:
         if cpu is not None and bool(cpu) != self.cpu:
             raise ValueError(
-                f"cpu={cpu} conflicts with the existing process state (cpu={self.cpu}, device {self.device}): "
-                "the device is chosen once per process. Create the first PartialState/Accelerator with "
-                "the setting you want."
+                f"cpu={cpu} conflicts with the existing process state (cpu={self.cpu}, device "
+                f"{self.device}): the device is chosen once per process. Create the first "
+                "PartialState/Accelerator with the setting you want."
             )
         if timeout is not None and _as_timedelta(timeout) != self.timeout:
             raise ValueError(
@@ -304,7 +324,9 @@ def _split_sequence_bounds(length: int, num_processes: int, process_index: int) 
     return start, start + base + (1 if process_index < extra else 0)
 
 
-def split_for_process(inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False) -> Any:
+def split_for_process(
+    inputs: Any, num_processes: int, process_index: int, apply_padding: bool = False
+) -> Any:
     """This process's contiguous share of `inputs`; see PartialState.split_between_processes."""
     if num_processes == 1:
         return inputs
@@ -315,7 +337,9 @@ def split_for_process(inputs: Any, num_processes: int, process_index: int, apply
                 f"split_between_processes got a dict whose values have different lengths {sorted(lengths)}: "
                 "every value must have the same length so that process i gets the same rows of each."
             )
-        return {k: split_for_process(v, num_processes, process_index, apply_padding) for k, v in inputs.items()}
+        return {
+            k: split_for_process(v, num_processes, process_index, apply_padding) for k, v in inputs.items()
+        }
     if not isinstance(inputs, (list, tuple, torch.Tensor)):
         raise TypeError(
             f"split_between_processes cannot split a {type(inputs).__name__}: pass a list, tuple, tensor, "

@@ -1,0 +1,213 @@
+"""Train a character-level GPT with unison: nanoGPT's train_gpt2.py, minus the distributed boilerplate.
+
+    python examples/gpt/train.py                                        # one process
+    unison launch --nproc-per-node 2 --cpu examples/gpt/train.py        # two processes, gloo on CPU
+    unison launch --nproc-per-node 4 examples/gpt/train.py --n-layer 6  # four GPUs, NCCL
+
+The same file runs everywhere. What train_gpt2.py does by hand, unison does here: reading RANK and
+WORLD_SIZE, pinning the device, init/destroy_process_group, wrapping in DDP, giving each process its
+own shard of the data, skipping the gradient all-reduce on all but the last micro-step, and dividing
+the loss by the accumulation steps. What stays visible is the training itself.
+
+Every log line is printed by the main process only; losses are averaged over all processes first.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+
+import torch
+from data import CharTokenizer, CharWindows, load_corpus, train_val_split
+from model import GPT, GPTConfig
+from torch.utils.data import DataLoader, Subset
+
+from unison import Accelerator, set_seed
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    arg = parser.add_argument
+    arg(
+        "--data",
+        default=None,
+        help="text file or folder of text files (default: this Python's stdlib source)",
+    )
+    arg("--max-steps", type=int, default=400, help="optimizer steps to train for")
+    arg("--batch-size", type=int, default=32, help="sequences per micro-batch, per process")
+    arg("--block-size", type=int, default=64, help="context length in characters")
+    arg("--n-layer", type=int, default=4)
+    arg("--n-head", type=int, default=4)
+    arg("--n-embd", type=int, default=128)
+    arg("--dropout", type=float, default=0.0)
+    arg("--lr", type=float, default=3e-3, help="peak learning rate")
+    arg("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr * this")
+    arg("--warmup-steps", type=int, default=40)
+    arg("--weight-decay", type=float, default=0.1)
+    arg(
+        "--grad-accum",
+        type=int,
+        default=None,
+        help="micro-batches per optimizer step (default: the launcher's)",
+    )
+    arg("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="default: the launcher's")
+    arg("--cpu", action="store_true", help="train on the CPU even if a GPU is visible")
+    arg("--seed", type=int, default=1337)
+    arg("--log-interval", type=int, default=20, help="print the training loss every N steps")
+    arg(
+        "--eval-interval",
+        type=int,
+        default=100,
+        help="print the validation loss every N steps (and at the end)",
+    )
+    arg("--eval-batches", type=int, default=8, help="validation batches per process for each evaluation")
+    arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end (0: none)")
+    return parser.parse_args()
+
+
+def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
+    """Multiplier of the peak lr at optimizer step `step`: linear warmup, then cosine decay to min_ratio."""
+
+    def multiplier(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+        return min_ratio + (1 - min_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+@torch.no_grad()
+def evaluate(model, val_dl, accelerator: Accelerator) -> float:
+    """Mean validation loss over every process's share of val_dl."""
+    model.eval()
+    losses = torch.stack([model(x, y)[1] for x, y in val_dl])
+    model.train()
+    return accelerator.reduce(losses.mean(), "mean").item()
+
+
+def main() -> None:
+    args = parse_args()
+    accelerator = Accelerator(
+        gradient_accumulation_steps=args.grad_accum,
+        mixed_precision=args.mixed_precision,
+        cpu=args.cpu or None,
+    )
+    # The same seed on every process: identical initial weights, and a shuffle all processes agree on.
+    set_seed(args.seed)
+
+    # ---- data: every process builds the same text and vocabulary; prepare() gives each its own shard
+    text = load_corpus(args.data)
+    tokenizer = CharTokenizer(text)
+    train_tokens, val_tokens = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long))
+    train_ds = CharWindows(train_tokens, args.block_size)
+    val_ds = CharWindows(val_tokens, args.block_size)
+    # evaluate on a fixed slice of the validation windows: eval_batches batches on each process
+    val_ds = Subset(
+        val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * accelerator.num_processes))
+    )
+    train_dl = DataLoader(train_ds, batch_size=args.batch_size, shuffle=True, drop_last=True)
+    val_dl = DataLoader(val_ds, batch_size=args.batch_size)
+
+    # ---- model, optimizer, schedule
+    config = GPTConfig(
+        block_size=args.block_size,
+        vocab_size=tokenizer.vocab_size,
+        n_layer=args.n_layer,
+        n_head=args.n_head,
+        n_embd=args.n_embd,
+        dropout=args.dropout,
+    )
+    model = GPT(config)
+    # weight decay on matrices and embeddings only, not on biases and LayerNorm gains (as nanoGPT)
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=args.lr,
+        betas=(0.9, 0.95),
+        fused=False,
+    )
+    # the schedule counts optimizer steps: the prepared scheduler steps once per real optimizer step
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lr_lambda(args.warmup_steps, args.max_steps, args.min_lr_ratio)
+    )
+
+    model, optimizer, train_dl, val_dl, scheduler = accelerator.prepare(
+        model, optimizer, train_dl, val_dl, scheduler
+    )
+
+    n_proc, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    n_params = accelerator.unwrap_model(model).num_parameters()
+    accelerator.print(
+        f"{n_proc} process(es) on {accelerator.device} | mixed precision {accelerator.mixed_precision} | "
+        f"{n_params:,} parameters | vocab {tokenizer.vocab_size} | {len(text):,} characters\n"
+        f"{args.batch_size} x {args.block_size} tokens per micro-batch x {accum} micro-step(s) x {n_proc} "
+        f"process(es) = {args.batch_size * args.block_size * accum * n_proc:,} tokens per step | "
+        f"{len(train_dl) // accum} steps per epoch"
+    )
+
+    # ---- train
+    step, epoch = 0, 0
+    loss_sum, micro_steps, tokens = torch.zeros((), device=accelerator.device), 0, 0
+    last_log_step = 0
+    start = last_log = time.perf_counter()
+    while step < args.max_steps:
+        train_dl.set_epoch(epoch)  # a new shuffle each epoch, the same on every process
+        for x, y in train_dl:
+            with accelerator.accumulate(model):
+                _, loss = model(x, y)
+                accelerator.backward(loss)  # divides by the accumulation steps
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()  # these three do nothing until the last micro-step of the window
+                scheduler.step()
+                optimizer.zero_grad()
+            loss_sum += loss.detach()
+            micro_steps += 1
+            tokens += x.numel() * accelerator.num_processes
+            if not accelerator.sync_gradients:
+                continue
+
+            step += 1
+            if step % args.log_interval == 0 or step == args.max_steps:
+                # the mean loss of this process's micro-steps since the last line, then of all processes
+                train_loss = accelerator.reduce(loss_sum / micro_steps, "mean").item()
+                seconds = time.perf_counter() - last_log
+                lr = scheduler.get_last_lr()[0]
+                ms_per_step = 1000 * seconds / (step - last_log_step)
+                accelerator.print(
+                    f"step {step:5d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
+                    f"{tokens / seconds:7,.0f} tok/s | {ms_per_step:4.0f} ms/step"
+                )
+                loss_sum.zero_()
+                micro_steps = tokens = 0
+                last_log, last_log_step = time.perf_counter(), step
+            if step % args.eval_interval == 0 or step == args.max_steps:
+                val_loss = evaluate(model, val_dl, accelerator)
+                accelerator.print(f"step {step:5d}/{args.max_steps} | val loss {val_loss:.4f}")
+                last_log = time.perf_counter()  # evaluation time does not count against tokens/s
+            if step == args.max_steps:
+                break
+        epoch += 1
+
+    elapsed = time.perf_counter() - start
+    accelerator.print(f"trained {step} steps ({epoch} epoch(s) begun) in {elapsed:.1f} s")
+
+    # ---- a sample from the trained model, written by the main process
+    if args.sample_chars > 0 and accelerator.is_main_process:
+        raw_model = accelerator.unwrap_model(model)
+        raw_model.eval()
+        start_token = tokenizer.stoi.get("\n", 0)
+        context = torch.tensor([[start_token]], device=accelerator.device)
+        generator = torch.Generator(device=accelerator.device).manual_seed(args.seed)
+        out = raw_model.generate(context, args.sample_chars, temperature=0.8, top_k=20, generator=generator)
+        print("---- sample ----\n" + tokenizer.decode(out[0, 1:]) + "\n----------------")
+    accelerator.end_training()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,381 @@
+"""The `Accelerator`: the one object a training script holds.
+
+It owns no algorithm. It reads the shared process state, then delegates: data loaders to `data`,
+model wrapping to `parallel`, optimizer/scheduler gating to `optim`, autocast and loss scaling to
+`precision`, collectives to `ops`. Names and defaults follow Hugging Face Accelerate so that a
+script migrates by changing its import line.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable, Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+from torch.utils.data import DataLoader
+
+from . import launch_env, ops
+from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
+from .kwargs_handlers import (
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    sort_kwargs_handlers,
+)
+from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .parallel.ddp import skip_gradient_sync, unwrap, wrap_ddp
+from .precision import PrecisionPolicy
+from .state import AcceleratorState, DistributedType, GradientState
+
+logger = logging.getLogger("unison")
+
+_SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
+_PREPARED_TYPES = (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard, DataLoaderDispatcher)
+
+
+def _validate_accumulation_steps(value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"gradient_accumulation_steps={value!r} is not allowed: it is the number of micro-batches per "
+            "optimizer step, a whole number >= 1. Pass e.g. gradient_accumulation_steps=4 (1 = no accumulation)."
+        )
+    return value
+
+
+class Accelerator:
+    """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
+
+    Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
+    environment variables of `unison.launch_env`), else the defaults below; arguments given in code
+    always win.
+    """
+
+    def __init__(
+        self,
+        device_placement: bool = True,
+        split_batches: bool = False,
+        mixed_precision: str | None = None,
+        gradient_accumulation_steps: int | None = None,
+        cpu: bool | None = None,
+        dispatch_batches: bool | None = None,
+        even_batches: bool = True,
+        rng_types: list[str] | None = None,
+        step_scheduler_with_optimizer: bool = True,
+        timeout: float | timedelta | None = None,
+        kwargs_handlers: list | None = None,
+    ):
+        handlers = sort_kwargs_handlers(kwargs_handlers)
+        if gradient_accumulation_steps is None:
+            gradient_accumulation_steps = launch_env.env_int(launch_env.GRADIENT_ACCUMULATION_STEPS, 1)
+        self.gradient_accumulation_steps = _validate_accumulation_steps(gradient_accumulation_steps)
+        if timeout is None and InitProcessGroupKwargs in handlers:
+            timeout = handlers[InitProcessGroupKwargs].timeout
+        self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, timeout=timeout)
+        self.gradient_state = GradientState(gradient_accumulation_steps=self.gradient_accumulation_steps)
+        self.device_placement = device_placement
+        self.split_batches = split_batches
+        self.dispatch_batches = dispatch_batches
+        self.even_batches = even_batches
+        self.rng_types = rng_types
+        self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
+        self.ddp_kwargs = handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs()).changed_kwargs()
+        scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).changed_kwargs()
+        self.precision = PrecisionPolicy(self.state.mixed_precision, self.device, scaler_kwargs)
+        self.step = 0  # micro-steps since the last sync (Accelerate's meaning)
+        self._models: list[torch.nn.Module] = []
+        self._optimizers: list[AcceleratedOptimizer] = []
+        self._schedulers: list[AcceleratedScheduler] = []
+        self._dataloaders: list[DataLoader] = []
+        self._prepared_ids: set[int] = set()
+
+    # -- process facts (the shared state's) ---------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return self.state.device
+
+    @property
+    def distributed_type(self) -> DistributedType:
+        return self.state.distributed_type
+
+    @property
+    def num_processes(self) -> int:
+        return self.state.num_processes
+
+    @property
+    def process_index(self) -> int:
+        return self.state.process_index
+
+    @property
+    def local_process_index(self) -> int:
+        return self.state.local_process_index
+
+    @property
+    def is_main_process(self) -> bool:
+        return self.state.is_main_process
+
+    @property
+    def is_local_main_process(self) -> bool:
+        return self.state.is_local_main_process
+
+    @property
+    def use_distributed(self) -> bool:
+        return self.state.use_distributed
+
+    @property
+    def mixed_precision(self) -> str:
+        return self.state.mixed_precision
+
+    @property
+    def scaler(self) -> torch.amp.GradScaler | None:
+        return self.precision.scaler
+
+    def wait_for_everyone(self) -> None:
+        self.state.wait_for_everyone()
+
+    def main_process_first(self) -> contextlib.AbstractContextManager:
+        return self.state.main_process_first()
+
+    def local_main_process_first(self) -> contextlib.AbstractContextManager:
+        return self.state.local_main_process_first()
+
+    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
+        return self.state.split_between_processes(inputs, apply_padding=apply_padding)
+
+    def on_main_process(self, function: Callable) -> Callable:
+        return self.state.on_main_process(function)
+
+    def on_local_main_process(self, function: Callable) -> Callable:
+        return self.state.on_local_main_process(function)
+
+    def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
+        return self.state.on_process(function, process_index=process_index)
+
+    def print(self, *args, **kwargs) -> None:
+        self.state.print(*args, **kwargs)
+
+    # -- prepare -------------------------------------------------------------------------------
+    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
+        """Prepare each object for this run and return them in the same order (one object: itself).
+
+        Models are prepared before optimizers, and optimizers before schedulers, whatever the order
+        given, because each needs the one before it.
+        """
+        if device_placement is None:
+            device_placement = [self.device_placement] * len(objects)
+        elif len(device_placement) != len(objects):
+            raise ValueError(
+                f"device_placement has {len(device_placement)} entries for {len(objects)} objects: give one "
+                "True/False per object passed to prepare(), or leave it out."
+            )
+        for obj in objects:
+            self._check_preparable(obj)
+        result: list[Any] = list(objects)
+        for kind in (torch.nn.Module, torch.optim.Optimizer, _SCHEDULER_TYPES, DataLoader):
+            for i, obj in enumerate(objects):
+                if isinstance(obj, kind):
+                    result[i] = self._prepare_one(obj, device_placement[i])
+        return result[0] if len(result) == 1 else tuple(result)
+
+    def _check_preparable(self, obj: Any) -> None:
+        if id(obj) in self._prepared_ids or isinstance(obj, _PREPARED_TYPES):
+            raise ValueError(
+                f"this {type(obj).__name__} was already prepared: prepare() each model, optimizer, scheduler "
+                "and data loader once, and use the object prepare() returned."
+            )
+        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, *_SCHEDULER_TYPES, DataLoader)):
+            raise TypeError(
+                f"prepare() cannot prepare a {type(obj).__module__}.{type(obj).__qualname__}: it takes "
+                "torch.nn.Module, torch.optim.Optimizer, torch LR schedulers and torch DataLoader objects. "
+                "Leave other objects out of prepare()."
+            )
+
+    def _prepare_one(self, obj: Any, device_placement: bool) -> Any:
+        if isinstance(obj, torch.nn.Module):
+            prepared = self.prepare_model(obj, device_placement=device_placement)
+        elif isinstance(obj, torch.optim.Optimizer):
+            prepared = self.prepare_optimizer(obj, device_placement=device_placement)
+        elif isinstance(obj, DataLoader):
+            prepared = self.prepare_data_loader(obj, device_placement=device_placement)
+        else:
+            prepared = self.prepare_scheduler(obj)
+        return prepared
+
+    def _remember(self, original: Any, prepared: Any) -> None:
+        self._prepared_ids.update((id(original), id(prepared)))
+
+    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
+        """Move `model` to the device and wrap it in DistributedDataParallel when processes > 1."""
+        self._check_preparable(model)
+        if device_placement is None:
+            device_placement = self.device_placement
+        if device_placement:
+            model = model.to(self.device)
+        prepared = model
+        if self.num_processes > 1 and any(p.requires_grad for p in model.parameters()):
+            prepared = wrap_ddp(model, self.device, self.ddp_kwargs)
+        self.precision.attach_to(prepared)
+        self._remember(model, prepared)
+        self._models.append(prepared)
+        return prepared
+
+    def prepare_optimizer(
+        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
+    ) -> AcceleratedOptimizer:
+        """Wrap `optimizer` so that step/zero_grad wait for the end of each accumulation window."""
+        self._check_preparable(optimizer)
+        if device_placement is None:
+            device_placement = self.device_placement
+        if device_placement and optimizer.state:
+            # load_state_dict casts the state onto each parameter's device (now the run's device).
+            optimizer.load_state_dict(optimizer.state_dict())
+        prepared = AcceleratedOptimizer(optimizer, scaler=self.precision.scaler)
+        self._remember(optimizer, prepared)
+        self._optimizers.append(prepared)
+        return prepared
+
+    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
+        """Wrap `scheduler` so it steps once per real optimizer step, whatever the process count."""
+        self._check_preparable(scheduler)
+        owners = [opt for opt in self._optimizers if opt.optimizer is getattr(scheduler, "optimizer", None)]
+        prepared = AcceleratedScheduler(scheduler, owners or self._optimizers, self.step_scheduler_with_optimizer)
+        self._remember(scheduler, prepared)
+        self._schedulers.append(prepared)
+        return prepared
+
+    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
+        """Re-create `data_loader` so each process reads its own shard, delivered on the device."""
+        self._check_preparable(data_loader)
+        if device_placement is None:
+            device_placement = self.device_placement
+        prepared = prepare_data_loader(
+            data_loader,
+            device=self.device,
+            num_processes=self.num_processes,
+            process_index=self.process_index,
+            split_batches=self.split_batches,
+            put_on_device=device_placement,
+            rng_types=self.rng_types,
+            dispatch_batches=self.dispatch_batches,
+            even_batches=self.even_batches,
+        )
+        self._remember(data_loader, prepared)
+        self._dataloaders.append(prepared)
+        return prepared
+
+    def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+        return skip_first_batches(dataloader, num_batches)
+
+    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
+        """The user's module inside the wrappers prepare() added."""
+        return unwrap(model)
+
+    # -- the training step ------------------------------------------------------------------------
+    @property
+    def sync_gradients(self) -> bool:
+        """True on the micro-step that ends an accumulation window (gradients all-reduced, optimizer steps)."""
+        return self.gradient_state.sync_gradients
+
+    @property
+    def optimizer_step_was_skipped(self) -> bool:
+        """True when the last optimizer step was skipped for fp16 overflow."""
+        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
+
+    def _do_sync(self) -> None:
+        """Decide whether this micro-step synchronises: every k-th, and always on a loader's last batch."""
+        if self.gradient_state.end_of_dataloader:
+            self.step = 0
+            self.gradient_state.sync_gradients = True
+        else:
+            self.step += 1
+            self.gradient_state.sync_gradients = self.step % self.gradient_accumulation_steps == 0
+
+    @contextlib.contextmanager
+    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
+        """One micro-step: skip the gradient all-reduce unless this micro-step ends the window."""
+        self._do_sync()
+        with contextlib.ExitStack() as stack:
+            if not self.sync_gradients:
+                for model in models:
+                    stack.enter_context(skip_gradient_sync(model))
+            yield
+
+    @contextlib.contextmanager
+    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
+        """Accumulate local gradients without the all-reduce (DDP's no_sync) for the enclosed backward."""
+        with skip_gradient_sync(model):
+            yield
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        """loss.backward(), divided by the accumulation steps and scaled for fp16."""
+        if self.gradient_accumulation_steps > 1:
+            loss = loss / self.gradient_accumulation_steps
+        if self.precision.scaler is not None:
+            loss = self.precision.scaler.scale(loss)
+        loss.backward(**kwargs)
+
+    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """Autocast in the run's mixed precision, for computation outside the prepared model."""
+        return self.precision.autocast(enabled)
+
+    def unscale_gradients(self) -> None:
+        """Divide fp16 gradients by the loss scale (done for you by the clip_grad_* methods)."""
+        for optimizer in self._optimizers:
+            optimizer.unscale_gradients()
+
+    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """Clip the gradients' total norm (already all-reduced on sync steps); returns the norm before clipping."""
+        self.unscale_gradients()
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+
+    def clip_grad_value_(self, parameters, clip_value: float) -> None:
+        """Clamp each gradient element to [-clip_value, clip_value]."""
+        self.unscale_gradients()
+        torch.nn.utils.clip_grad_value_(parameters, clip_value)
+
+    # -- collectives -----------------------------------------------------------------------------
+    def gather(self, tensor: Any) -> Any:
+        return ops.gather(tensor)
+
+    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
+        """Gather across processes, dropping the samples duplicated to even out the final batch.
+
+        Over a prepared evaluation loader the concatenated results hold exactly len(dataset) rows.
+        """
+        if use_gather_object or not _all_leaves_are_tensors(input_data):
+            data = ops.gather_object(input_data)
+        else:
+            data = ops.gather(input_data)
+        remainder = self.gradient_state.remainder
+        if not self.gradient_state.end_of_dataloader or remainder < 0:
+            return data
+        if isinstance(data, list):
+            return data[:remainder]
+        return ops.slice_tensors(data, slice(0, remainder))
+
+    def gather_object(self, obj: Any) -> list[Any]:
+        return ops.gather_object(obj)
+
+    def reduce(self, tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+        return ops.reduce(tensor, reduction=reduction, scale=scale)
+
+    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
+        return ops.broadcast(tensor, from_process=from_process)
+
+    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
+
+    def send_to_device(self, data: Any, non_blocking: bool = False) -> Any:
+        return ops.send_to_device(data, self.device, non_blocking=non_blocking)
+
+    def end_training(self) -> None:
+        """Mark the end of the run: every process finishes its work before any goes on to exit."""
+        self.wait_for_everyone()
+
+
+def _all_leaves_are_tensors(data: Any) -> bool:
+    leaves: list[Any] = []
+    ops.recursively_apply(lambda t: leaves.append(t) or t, data, test_type=lambda _: True)
+    return all(isinstance(leaf, torch.Tensor) for leaf in leaves)

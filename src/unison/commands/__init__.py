@@ -1,0 +1,1 @@
+"""The `unison` command line: thin parsers that call library code (launcher, environment report)."""

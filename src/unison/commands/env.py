@@ -1,0 +1,76 @@
+"""`unison env`: the facts a bug report needs (versions, devices, backends, launch variables)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import sys
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .. import __version__
+
+RELEVANT_ENV = re.compile(
+    r"^(UNISON_\w+|RANK|LOCAL_RANK|GROUP_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
+    r"TORCHELASTIC_\w+|SLURM_\w+|CUDA_VISIBLE_DEVICES|NCCL_\w+|GLOO_\w+|OMP_NUM_THREADS|TORCH_DISTRIBUTED_\w+)$"
+)
+
+
+def collect() -> dict[str, Any]:
+    """Versions, devices, process-group backends and the environment variables that steer a launch."""
+    cuda = torch.cuda.is_available()
+    return {
+        "unison": __version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "os": platform.platform(),
+        "cpu_cores": os.cpu_count(),
+        "cuda_available": cuda,
+        "cuda_version": torch.version.cuda,
+        "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())] if cuda else [],
+        "mps_available": torch.backends.mps.is_available(),
+        "distributed_available": dist.is_available(),
+        "backends": {
+            "gloo": dist.is_available() and dist.is_gloo_available(),
+            "nccl": dist.is_available() and dist.is_nccl_available(),
+            "mpi": dist.is_available() and dist.is_mpi_available(),
+        },
+        "environment": {
+            name: value for name, value in sorted(os.environ.items()) if RELEVANT_ENV.match(name)
+        },
+    }
+
+
+def format_text(report: dict[str, Any]) -> str:
+    """The report as aligned `key: value` lines, ready to paste into an issue."""
+    lines = []
+    for key, value in report.items():
+        if isinstance(value, dict):
+            lines.append(f"{key}:" + ("" if value else " (none)"))
+            lines.extend(f"  {name}: {item}" for name, item in value.items())
+        elif isinstance(value, list):
+            lines.append(f"{key}: {', '.join(map(str, value)) or '(none)'}")
+        else:
+            lines.append(f"{key}: {value}")
+    return "\n".join(lines)
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "env",
+        help="print versions, devices, backends and launch variables (for bug reports)",
+        description="Print what a bug report needs: versions, devices, backends and launch variables.",
+    )
+    parser.add_argument("--json", action="store_true", help="print the report as JSON")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = collect()
+    sys.stdout.write((json.dumps(report, indent=2) if args.json else format_text(report)) + "\n")
+    return 0

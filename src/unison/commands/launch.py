@@ -1,0 +1,131 @@
+"""`unison launch`: parse the flags, then hand them to `unison.launcher` (which does the work)."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import launch_env
+from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
+
+DESCRIPTION = """\
+Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
+formed into one process group by unison.PartialState / Accelerator. Every line a worker prints is
+prefixed with its rank ("[rank1]: ..."). The exit code is non-zero when any worker fails, and the
+failing rank's traceback is shown.
+"""
+
+EPILOG = f"""\
+environment variables exported to the workers (Accelerator() defaults; arguments in code win):
+  {launch_env.CPU}=1                      --cpu
+  {launch_env.MIXED_PRECISION}=no|bf16|fp16   --mixed-precision
+  {launch_env.GRADIENT_ACCUMULATION_STEPS}=K  --gradient-accumulation-steps
+  {launch_env.TIMEOUT}=SECONDS            --timeout
+  OMP_NUM_THREADS                       usable cores / NPROC, unless already set
+  the workers also get torch's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+
+one node:
+  unison launch --nproc-per-node 2 train.py --lr 1e-3
+  (the rendezvous binds to 127.0.0.1 on a free port; no address or port needed)
+
+several nodes, static rendezvous (run on every node, node ranks 0..N-1):
+  unison launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
+      --nproc-per-node 8 train.py
+several nodes, c10d rendezvous (ranks follow the order nodes join; --node-rank is ignored):
+  unison launch --nnodes 2 --rdzv-endpoint 10.0.0.1:29400 --local-addr THIS_NODE_IP \\
+      --nproc-per-node 8 train.py
+  If the hosting node does not recognise the endpoint as its own, add --rdzv-conf is_host=1 there.
+  gloo (CPU) binds the address the host name resolves to, often 127.0.0.1: across machines export
+  GLOO_SOCKET_IFNAME=<interface, e.g. eth0> on every node (NCCL: NCCL_SOCKET_IFNAME).
+"""
+
+
+def register(subcommands: argparse._SubParsersAction) -> None:
+    parser = subcommands.add_parser(
+        "launch",
+        help="run a script in N processes (one node or several)",
+        description=DESCRIPTION,
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    group = parser.add_argument_group("processes")
+    group.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        default="1",
+        metavar="N|auto",
+        help="processes on this node (default 1). 'auto': one per GPU; without GPUs or with --cpu, one per "
+        f"usable CPU core, at most {MAX_AUTO_CPU_PROCESSES}.",
+    )
+    group.add_argument(
+        "--nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-endpoint (default 1)"
+    )
+    group.add_argument(
+        "--node-rank", "--node_rank", type=int, default=None, help="this node's rank (static rendezvous)"
+    )
+    group.add_argument(
+        "--master-addr", "--master_addr", default=None, help="address of node 0 (static rendezvous)"
+    )
+    group.add_argument(
+        "--master-port",
+        "--master_port",
+        type=int,
+        default=None,
+        help="port on node 0 (default: free port / 29500)",
+    )
+    group.add_argument(
+        "--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of a c10d rendezvous"
+    )
+    group.add_argument("--rdzv-id", "--rdzv_id", default="unison", help="job id shared by the nodes (c10d)")
+    group.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="extra c10d settings, e.g. is_host=1")
+    group.add_argument(
+        "--local-addr", "--local_addr", default=None, help="this node's address as others reach it"
+    )
+    group.add_argument(
+        "--max-restarts",
+        "--max_restarts",
+        type=int,
+        default=0,
+        help="restart all workers up to this many times",
+    )
+    training = parser.add_argument_group("training defaults (exported as UNISON_* variables)")
+    training.add_argument("--cpu", action="store_true", help="run on the CPU even if GPUs are present")
+    training.add_argument("--mixed-precision", "--mixed_precision", default=None, help="no, bf16 or fp16")
+    training.add_argument(
+        "--gradient-accumulation-steps",
+        "--gradient_accumulation_steps",
+        type=int,
+        default=None,
+        metavar="K",
+        help="micro-batches per optimizer step",
+    )
+    training.add_argument(
+        "--timeout", type=float, default=None, metavar="S", help="collective timeout in seconds (default 600)"
+    )
+    parser.add_argument("script", help="the Python script to run in every process")
+    parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
+    parser.set_defaults(run=lambda args: run(args, parser))
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    options = LaunchOptions(
+        script=args.script,
+        script_args=tuple(args.script_args),
+        nproc_per_node=args.nproc_per_node,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        rdzv_endpoint=args.rdzv_endpoint,
+        rdzv_id=args.rdzv_id,
+        rdzv_conf=args.rdzv_conf,
+        local_addr=args.local_addr,
+        max_restarts=args.max_restarts,
+        cpu=args.cpu,
+        mixed_precision=args.mixed_precision,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        timeout=args.timeout,
+    )
+    try:
+        return launch(options)
+    except LaunchError as error:
+        parser.error(str(error))  # exits with status 2, before any process started

@@ -1,0 +1,187 @@
+"""prepare_data_loader: re-create the user's DataLoader as a DataLoaderShard or DataLoaderDispatcher.
+
+The new loader keeps everything the user chose (dataset, collate_fn, workers, pinning, generator,
+...) and changes only who reads what: a sharded batch sampler for map-style data, a shard of the
+stream for iterable data, or process 0 dispatching (the default for iterable data, which cannot be
+split by index). A torch RandomSampler is replaced by a SeedableRandomSampler so that all processes
+shuffle alike and every epoch differently.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+
+from ..state import PartialState
+from .dispatch import DataLoaderDispatcher
+from .loader import DataLoaderShard, PreparedDataLoader
+from .randomness import check_rng_types, with_seedable_sampler
+from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler, check_split
+
+logger = logging.getLogger("unison")
+
+# DataLoader settings carried over unchanged (those this torch version has)
+_CARRIED = [
+    name
+    for name in (
+        "num_workers",
+        "collate_fn",
+        "pin_memory",
+        "timeout",
+        "worker_init_fn",
+        "multiprocessing_context",
+        "generator",
+        "prefetch_factor",
+        "persistent_workers",
+        "pin_memory_device",
+        "in_order",
+    )
+    if name in inspect.signature(DataLoader.__init__).parameters
+]
+
+
+def _carried_settings(dataloader: DataLoader) -> dict[str, Any]:
+    return {name: getattr(dataloader, name) for name in _CARRIED if hasattr(dataloader, name)}
+
+
+def prepare_data_loader(
+    dataloader: DataLoader,
+    device: torch.device | str | None = None,
+    num_processes: int | None = None,
+    process_index: int | None = None,
+    split_batches: bool = False,
+    put_on_device: bool = False,
+    rng_types: Sequence[str] | None = None,
+    dispatch_batches: bool | None = None,
+    even_batches: bool = True,
+    non_blocking: bool = False,
+    data_seed: int | None = None,
+) -> DataLoaderShard | DataLoaderDispatcher:
+    """A DataLoaderShard (each process reads its shard) or DataLoaderDispatcher (process 0 reads).
+
+    num_processes / process_index default to PartialState's. dispatch_batches defaults to True for an
+    IterableDataset with more than one process. put_on_device moves every batch to `device`
+    (default: the process's device), with non_blocking copies and pinned memory on CUDA only.
+    data_seed fixes the shuffling seed (default: the loader's generator's seed, else torch's
+    initial seed, which set_seed sets); process 0's value is used everywhere.
+    With split_batches, a batch size that is not a multiple of num_processes is a ValueError, raised
+    on every process since every process prepares the same loader.
+    """
+    if not isinstance(dataloader, DataLoader):
+        raise TypeError(
+            f"prepare_data_loader needs a torch.utils.data.DataLoader, got a {type(dataloader).__name__}: "
+            "wrap your dataset in DataLoader(dataset, batch_size=...) first."
+        )
+    if isinstance(dataloader, PreparedDataLoader):
+        raise ValueError(
+            f"this {type(dataloader).__name__} is already prepared: preparing it again would shard the "
+            "shards. Pass the DataLoader you built, once, and use the loader prepare returned."
+        )
+    state = PartialState()
+    num_processes = state.num_processes if num_processes is None else num_processes
+    process_index = state.process_index if process_index is None else process_index
+    device = state.device if device is None else torch.device(device)
+    on_cuda = device.type == "cuda"
+    iterable = isinstance(dataloader.dataset, IterableDataset)
+    if dispatch_batches is None:
+        dispatch_batches = iterable and num_processes > 1
+    common: dict[str, Any] = {
+        **_carried_settings(dataloader),
+        "device": device if put_on_device else None,
+        "non_blocking": non_blocking and on_cuda,
+        "rng_types": check_rng_types(rng_types),
+    }
+    # pinned memory serves only host-to-GPU copies; on a CPU device torch would warn about it
+    common["pin_memory"] = on_cuda and (dataloader.pin_memory or (put_on_device and non_blocking))
+    dataset = dataloader.dataset
+    batching = _batching(dataloader, data_seed)
+
+    if dispatch_batches:
+        return DataLoaderDispatcher(
+            dataset, split_batches=split_batches, even_batches=even_batches, **batching, **common
+        )
+    if iterable:
+        batch_size = dataloader.batch_size
+        if num_processes > 1:
+            if split_batches:
+                check_split(batch_size, num_processes)
+            dataset = IterableDatasetShard(
+                dataset, batch_size or 1, dataloader.drop_last, num_processes, process_index, split_batches
+            )
+            if batch_size is not None:
+                batch_size = dataset.process_batch_size
+        return DataLoaderShard(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
+    if num_processes > 1:
+        batching = _sharded(batching, num_processes, process_index, split_batches, even_batches)
+    return DataLoaderShard(dataset, **batching, **common)
+
+
+def _batching(dataloader: DataLoader, data_seed: int | None) -> dict[str, Any]:
+    """The loader's index sampling as DataLoader arguments, with a seedable shuffle."""
+    if isinstance(dataloader.dataset, IterableDataset):
+        return {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
+    if dataloader.batch_sampler is not None:
+        return {"batch_sampler": with_seedable_sampler(dataloader.batch_sampler, data_seed)}
+    return {"sampler": with_seedable_sampler(dataloader.sampler, data_seed), "batch_size": None}
+
+
+def _sharded(
+    batching: dict[str, Any], num_processes: int, process_index: int, split_batches: bool, even_batches: bool
+) -> dict[str, Any]:
+    if "batch_sampler" in batching:
+        shard = BatchSamplerShard(
+            batching["batch_sampler"], num_processes, process_index, split_batches, even_batches
+        )
+        return {"batch_sampler": shard}
+    sampler = batching["sampler"]
+    if isinstance(sampler, BatchSampler):  # batch_size=None with a batch sampler as sampler: dataset[list]
+        shard = BatchSamplerShard(sampler, num_processes, process_index, split_batches, even_batches)
+    elif split_batches:
+        raise ValueError(
+            "split_batches=True cannot cut the ready-made batches of a DataLoader with batch_size=None: "
+            "give the DataLoader a batch_size, or use split_batches=False."
+        )
+    else:
+        shard = SamplerShard(sampler, num_processes, process_index, even_batches)
+    return {"sampler": shard, "batch_size": None}
+
+
+def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
+    """A loader like `dataloader` whose next pass skips its first `num_batches` batches.
+
+    For map-style data the skip happens in the sampler, so the skipped batches are never loaded
+    (an iterable stream has to be read through). Later passes are complete. A prepared loader's
+    copy shares its epoch counter, so finishing the resumed epoch moves the original on too.
+    """
+    if num_batches < 0:
+        raise ValueError(f"num_batches={num_batches} is negative: pass how many batches to skip, >= 0.")
+    map_style = not isinstance(dataloader.dataset, IterableDataset)
+    if isinstance(dataloader, DataLoaderShard) and map_style:
+        if dataloader._auto_collation:
+            return dataloader._clone(batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches))
+        return dataloader._clone(sampler=SkipBatchSampler(dataloader.sampler, num_batches))
+    if isinstance(dataloader, PreparedDataLoader):
+        return dataloader._clone(skip_batches=num_batches)
+    if not map_style:
+        raise TypeError(
+            "skip_first_batches on a plain DataLoader over an IterableDataset cannot skip without reading: "
+            "prepare the loader first (prepare_data_loader / Accelerator.prepare) and skip on the result."
+        )
+    settings = _carried_settings(dataloader)
+    if dataloader._auto_collation:
+        return DataLoader(
+            dataloader.dataset,
+            batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
+            **settings,
+        )
+    return DataLoader(
+        dataloader.dataset,
+        sampler=SkipBatchSampler(dataloader.sampler, num_batches),
+        batch_size=None,
+        **settings,
+    )

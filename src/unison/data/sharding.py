@@ -1,0 +1,381 @@
+"""Which samples each process reads: the arithmetic of sharding, with no communication at all.
+
+Every process iterates the same underlying batch sampler (same seed, same epoch, see
+`randomness.py`) and keeps its own share, so the shards are consistent by construction. One round is
+one step of all processes together. Without split_batches a round is `num_processes` consecutive
+batches and batch i goes to process i % n; with split_batches a round is one batch cut into n
+contiguous slices. Only the final round can be incomplete: with even_batches it is topped up with
+samples from the start of the epoch, so that every process gets the same number of full batches
+(otherwise the processes would disagree on the number of steps and DDP would hang), and the
+duplicated samples always come after the real ones when the round is read in process order. That
+is what lets gather_for_metrics drop them: `remainder` says how many rows of that round are real.
+
+`iter_rounds` holds the arithmetic once; BatchSamplerShard, IterableDatasetShard and the
+DataLoaderDispatcher all use it, so they agree on who gets what.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch.utils.data import BatchSampler, IterableDataset, Sampler
+
+
+@dataclass
+class Round:
+    """One step of all processes: each process's piece (None: it gets nothing this step).
+
+    real_samples: how many samples of the round, read in process order, are real data before the
+    duplicates that top it up; -1 when nothing was duplicated.
+    """
+
+    pieces: list[Sequence[Any] | None]
+    real_samples: int = -1
+
+
+def check_split(batch_size: int | None, num_processes: int) -> None:
+    """split_batches cuts each batch into num_processes equal slices: the batch size must allow that."""
+    if batch_size is None:
+        raise ValueError(
+            "split_batches=True needs to know the batch size to cut each batch into equal slices, but the "
+            "batch sampler has no batch_size attribute. Give it one, or use split_batches=False."
+        )
+    if batch_size % num_processes != 0:
+        multiple = math.ceil(batch_size / num_processes) * num_processes
+        raise ValueError(
+            f"split_batches=True cuts each batch into one slice per process, but batch_size={batch_size} is "
+            f"not a multiple of num_processes={num_processes}. Use a batch size divisible by {num_processes} "
+            f"(e.g. {multiple}), or split_batches=False to give every process whole batches of {batch_size}."
+        )
+
+
+def _cycled(samples: Sequence[Any], count: int) -> list[Any]:
+    return list(itertools.islice(itertools.cycle(samples), count))
+
+
+def iter_rounds(
+    batches: Iterable[Sequence[Any]],
+    batch_size: int | None,
+    num_processes: int,
+    split_batches: bool = False,
+    even_batches: bool = True,
+    drop_last: bool = False,
+) -> Iterator[Round]:
+    """Group `batches` into rounds and cut each round into one piece per process.
+
+    batch_size None means batches of unknown size (a custom batch sampler): every batch counts as
+    full, and with even_batches a short final round is topped up with whole batches from the start.
+    An incomplete final round is dropped when drop_last is set.
+    """
+    batches_per_round = 1 if split_batches else num_processes
+    first_round: list[Sequence[Any]] | None = None
+    pending: list[Sequence[Any]] = []
+    for batch in batches:
+        pending.append(batch)
+        if len(pending) == batches_per_round:
+            if drop_last and not _is_full(pending, batch_size, num_processes, split_batches):
+                return
+            first_round = first_round or pending
+            yield _assemble(pending, first_round, batch_size, num_processes, split_batches, even_batches)
+            pending = []
+    if pending and not drop_last:
+        yield _assemble(
+            pending, first_round or pending, batch_size, num_processes, split_batches, even_batches
+        )
+
+
+def _is_full(
+    pending: list[Sequence[Any]], batch_size: int | None, num_processes: int, split_batches: bool
+) -> bool:
+    if batch_size is None:
+        return True
+    return sum(len(batch) for batch in pending) == (
+        batch_size if split_batches else batch_size * num_processes
+    )
+
+
+def _assemble(
+    pending: list[Sequence[Any]],
+    first_round: list[Sequence[Any]],
+    batch_size: int | None,
+    num_processes: int,
+    split_batches: bool,
+    even_batches: bool,
+) -> Round:
+    n = num_processes
+    real = sum(len(batch) for batch in pending)
+    if batch_size is None:  # whole batches of unknown size; only possible without split_batches
+        if len(pending) == n:
+            return Round(list(pending))
+        if not even_batches:
+            return Round([*pending, *[None] * (n - len(pending))])
+        return Round([*pending, *_cycled(first_round, n - len(pending))], real)
+    per_process = batch_size // n if split_batches else batch_size
+    if _is_full(pending, batch_size, n, split_batches):  # hand out the batches (or slices) as they are
+        if split_batches:
+            return Round([pending[0][p * per_process : (p + 1) * per_process] for p in range(n)])
+        return Round(list(pending))
+    samples = [sample for batch in pending for sample in batch]
+    real_samples = -1
+    if even_batches:
+        start = [sample for batch in first_round for sample in batch]
+        samples += _cycled(start, per_process * n - real)
+        real_samples = real
+    pieces = [samples[p * per_process : (p + 1) * per_process] for p in range(n)]
+    return Round([piece or None for piece in pieces], real_samples)
+
+
+def rounds_for_process(
+    num_batches: int,
+    last_batch_size: int | None,
+    batch_size: int | None,
+    num_processes: int,
+    process_index: int,
+    split_batches: bool,
+    even_batches: bool,
+    drop_last: bool,
+) -> int:
+    """How many batches process `process_index` gets from `num_batches` batches (see iter_rounds).
+
+    last_batch_size (None: unknown, assumed full) matters only with split_batches and not
+    even_batches, where a short last batch may leave the last processes without a slice.
+    """
+    if split_batches:
+        if drop_last or even_batches or num_batches == 0 or last_batch_size is None:
+            return num_batches
+        gets_a_slice = last_batch_size > process_index * (batch_size // num_processes)
+        return num_batches - 1 + int(gets_a_slice)
+    rounds, leftover = divmod(num_batches, num_processes)
+    if leftover == 0 or drop_last:
+        return rounds
+    if even_batches:
+        return rounds + 1
+    return rounds + int(process_index < leftover)
+
+
+def _check_process_index(num_processes: int, process_index: int) -> None:
+    if num_processes < 1 or not 0 <= process_index < num_processes:
+        raise ValueError(
+            f"process_index={process_index} with num_processes={num_processes} is impossible: the index "
+            "must be in [0, num_processes) and num_processes >= 1."
+        )
+
+
+class BatchSamplerShard(Sampler[list[int]]):
+    """This process's share of the batches of `batch_sampler` (see the module docstring).
+
+    Without split_batches, batch i goes to process i % num_processes; with split_batches each batch
+    is cut into num_processes slices (the batch size must be a multiple of num_processes: a
+    ValueError in the constructor otherwise, so every rank fails before any work). even_batches tops
+    the final round up with samples from the start so every process gets the same number of full
+    batches; the batch sampler's drop_last drops an incomplete final round instead.
+    """
+
+    def __init__(
+        self,
+        batch_sampler: Iterable[list[int]],
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+        even_batches: bool = True,
+    ):
+        _check_process_index(num_processes, process_index)
+        self.batch_sampler = batch_sampler
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.even_batches = even_batches
+        self.batch_size: int | None = getattr(batch_sampler, "batch_size", None)
+        self.drop_last: bool = bool(getattr(batch_sampler, "drop_last", False))
+        if split_batches:
+            check_split(self.batch_size, num_processes)
+        self.remainder = -1  # set while iterating the final round, see Round.real_samples
+
+    @property
+    def process_batch_size(self) -> int | None:
+        """Samples per batch this process gets."""
+        if self.batch_size is None or not self.split_batches:
+            return self.batch_size
+        return self.batch_size // self.num_processes
+
+    @property
+    def total_batch_size(self) -> int | None:
+        """Samples per step over all processes (the global batch)."""
+        if self.batch_size is None or self.split_batches:
+            return self.batch_size
+        return self.batch_size * self.num_processes
+
+    @property
+    def total_length(self) -> int:
+        """Batches of the underlying batch sampler (all processes together)."""
+        return len(self.batch_sampler)
+
+    def _last_batch_size(self) -> int | None:
+        try:
+            samples = len(self.batch_sampler.sampler)
+        except (AttributeError, TypeError):
+            return None
+        return samples - (self.total_length - 1) * self.batch_size
+
+    def __len__(self) -> int:
+        return rounds_for_process(
+            self.total_length,
+            self._last_batch_size() if self.split_batches and not self.even_batches else None,
+            self.batch_size,
+            self.num_processes,
+            self.process_index,
+            self.split_batches,
+            self.even_batches,
+            self.drop_last,
+        )
+
+    def __iter__(self) -> Iterator[list[int]]:
+        self.remainder = -1
+        rounds = iter_rounds(
+            self.batch_sampler,
+            self.batch_size,
+            self.num_processes,
+            self.split_batches,
+            self.even_batches,
+            self.drop_last,
+        )
+        for round_ in rounds:
+            if round_.real_samples >= 0:
+                self.remainder = round_.real_samples
+            piece = round_.pieces[self.process_index]
+            if piece is not None:
+                yield list(piece)
+
+
+class SamplerShard(Sampler[int]):
+    """Shards a plain index sampler, for loaders without automatic batching (batch_size=None).
+
+    Each index fetches one ready-made batch, so the indices are dealt out like batches of one:
+    index i goes to process i % num_processes, and even_batches tops up the final round with
+    indices from the start.
+    """
+
+    def __init__(
+        self,
+        sampler: Iterable[int],
+        num_processes: int = 1,
+        process_index: int = 0,
+        even_batches: bool = True,
+    ):
+        self.batch_sampler = BatchSamplerShard(
+            BatchSampler(sampler, 1, drop_last=False), num_processes, process_index, even_batches=even_batches
+        )
+
+    def __len__(self) -> int:
+        return len(self.batch_sampler)
+
+    def __iter__(self) -> Iterator[int]:
+        for batch in self.batch_sampler:
+            yield batch[0]
+
+
+class SkipBatchSampler(Sampler[Any]):
+    """Skips the first `skip_batches` items of the next pass over `batch_sampler`, then forgets it.
+
+    The skipped batches are only index lists: nothing is loaded. Used by skip_first_batches to
+    resume in the middle of an epoch; the epochs after that one are complete again.
+    """
+
+    def __init__(self, batch_sampler: Iterable[Any], skip_batches: int = 0):
+        if skip_batches < 0:
+            raise ValueError(
+                f"skip_batches={skip_batches} is negative: pass the number of batches to skip, >= 0."
+            )
+        self.batch_sampler = batch_sampler
+        self.skip_batches = skip_batches
+
+    @property
+    def total_length(self) -> int:
+        return len(self.batch_sampler)
+
+    def __len__(self) -> int:
+        return max(self.total_length - self.skip_batches, 0)
+
+    def __iter__(self) -> Iterator[Any]:
+        skip, self.skip_batches = self.skip_batches, 0
+        yield from itertools.islice(self.batch_sampler, skip, None)
+
+
+def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
+    iterator = iter(items)
+    while chunk := list(itertools.islice(iterator, size)):
+        yield chunk
+
+
+class IterableDatasetShard(IterableDataset):
+    """This process's share of an iterable dataset: every process reads the whole stream.
+
+    The stream is read in rounds of batch_size * num_processes samples (batch_size with
+    split_batches) and this process yields its contiguous slice of each. The last incomplete round is
+    topped up with samples from the start of the stream, unless drop_last. `batch_size` is the
+    batch size of the loader before sharding.
+    """
+
+    def __init__(
+        self,
+        dataset: Iterable[Any],
+        batch_size: int = 1,
+        drop_last: bool = False,
+        num_processes: int = 1,
+        process_index: int = 0,
+        split_batches: bool = False,
+    ):
+        _check_process_index(num_processes, process_index)
+        if split_batches:
+            check_split(batch_size, num_processes)
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.drop_last = drop_last
+        self.num_processes = num_processes
+        self.process_index = process_index
+        self.split_batches = split_batches
+        self.remainder = -1  # set while iterating the final round (in the process that iterates)
+
+    @property
+    def total_batch_size(self) -> int:
+        return self.batch_size if self.split_batches else self.batch_size * self.num_processes
+
+    @property
+    def process_batch_size(self) -> int:
+        return self.total_batch_size // self.num_processes
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+
+    def remainder_from_length(self) -> int:
+        """The final round's real samples computed from len(dataset) (-1: none duplicated or unknown).
+
+        For loaders with worker processes, where the shard iterates in a copy of this object.
+        """
+        try:
+            real = len(self.dataset) % self.total_batch_size
+        except TypeError:
+            return -1
+        return -1 if real == 0 or self.drop_last else real
+
+    def __len__(self) -> int:
+        rounds, leftover = divmod(len(self.dataset), self.total_batch_size)
+        if leftover and not self.drop_last:
+            rounds += 1
+        return rounds * self.process_batch_size
+
+    def __iter__(self) -> Iterator[Any]:
+        self.remainder = -1
+        per_process = self.process_batch_size
+        rounds = iter_rounds(
+            _chunks(self.dataset, per_process), per_process, self.num_processes, drop_last=self.drop_last
+        )
+        for round_ in rounds:
+            if round_.real_samples >= 0:
+                self.remainder = round_.real_samples
+            yield from round_.pieces[self.process_index]

@@ -1,0 +1,68 @@
+"""Keyword-argument bundles for the engines unison drives, under Accelerate's names.
+
+`Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(find_unused_parameters=True)])` reads the
+same in unison as in Accelerate, so a migrating user keeps these lines. Each bundle holds only the
+options a user changed; the rest keep torch's own defaults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from datetime import timedelta
+from typing import Any
+
+
+class _KwargsHandler:
+    def changed_kwargs(self) -> dict[str, Any]:
+        """The options that differ from their defaults, ready to pass on to torch."""
+        default = type(self)()
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+
+
+@dataclass
+class DistributedDataParallelKwargs(_KwargsHandler):
+    """Options for torch.nn.parallel.DistributedDataParallel (torch's defaults)."""
+
+    dim: int = 0
+    broadcast_buffers: bool = True
+    bucket_cap_mb: int = 25
+    find_unused_parameters: bool = False
+    check_reduction: bool = False
+    gradient_as_bucket_view: bool = False
+    static_graph: bool = False
+
+
+@dataclass
+class GradScalerKwargs(_KwargsHandler):
+    """Options for torch.amp.GradScaler, used with mixed_precision="fp16"."""
+
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+    enabled: bool = True
+
+
+@dataclass
+class InitProcessGroupKwargs(_KwargsHandler):
+    """Options for the process group; only the timeout is honoured (the backend follows the device)."""
+
+    timeout: timedelta | None = None
+
+
+KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)
+
+
+def sort_kwargs_handlers(handlers: list | tuple | None) -> dict[type, _KwargsHandler]:
+    """Index the handlers by type, refusing unknown objects and a type given twice."""
+    by_type: dict[type, _KwargsHandler] = {}
+    for handler in handlers or ():
+        if not isinstance(handler, KWARGS_HANDLERS):
+            names = ", ".join(cls.__name__ for cls in KWARGS_HANDLERS)
+            raise TypeError(f"kwargs_handlers got a {type(handler).__name__}; unison accepts {names}.")
+        if type(handler) in by_type:
+            raise ValueError(
+                f"kwargs_handlers holds two {type(handler).__name__} objects: pass one, with every option set on it."
+            )
+        by_type[type(handler)] = handler
+    return by_type

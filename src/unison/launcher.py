@@ -1,0 +1,317 @@
+"""`unison launch`: start N copies of a script per node through torch's own elastic launcher.
+
+torch.distributed.run already does the hard parts (rendezvous, worker restarts, signal forwarding,
+tee-ing each worker's output, failure reports), so this module does not spawn anything itself. It
+checks the flags before any process starts, turns them into torch.distributed.run's argument
+namespace, exports the UNISON_* variables of `launch_env` (how the flags reach `Accelerator()` as
+defaults) and runs torch's launcher in-process.
+
+What it adds to a bare torchrun:
+- one node: a free port on 127.0.0.1, so two launches on one machine never collide and nothing
+  listens beyond loopback for the rendezvous;
+- every line a worker prints is prefixed with its global rank ("[rank1]: ...");
+- a failed run returns a non-zero exit code with one short summary instead of torch's report, the
+  failing rank's own traceback having been printed (prefixed) by the worker itself;
+- restarts (--max-restarts) re-form the process group: `state.py` namespaces the group's keys by
+  attempt on the static rendezvous store, and for c10d rendezvous we export
+  TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each attempt gets a fresh store (pytorch#135712).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import tempfile
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from . import launch_env
+from .state import validate_mixed_precision
+
+logger = logging.getLogger("unison")
+
+RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
+"""torch.distributed.run's log_line_prefix_template: each worker line starts with its global rank."""
+
+MAX_AUTO_CPU_PROCESSES = 4
+"""`--nproc-per-node auto` without GPUs: one process per usable core, at most this many.
+
+Data parallelism inside one CPU box pays only while each process has cores for its own math; the
+gloo all-reduce through loopback grows with the number of processes and soon dominates a step (see
+the engine notes: communication already dominates at two processes). A few processes, each with its
+share of the cores as OpenMP threads, is the sensible default; ask for more by number.
+"""
+
+DEFAULT_MASTER_PORT = 29500
+
+
+class LaunchError(ValueError):
+    """A launch flag is wrong; raised before any worker process starts."""
+
+
+@dataclass(frozen=True)
+class LaunchOptions:
+    """Everything `unison launch` was asked to do. Field names follow the command-line flags."""
+
+    script: str
+    script_args: Sequence[str] = ()
+    nproc_per_node: int | str = 1
+    nnodes: str = "1"
+    node_rank: int | None = None
+    master_addr: str | None = None
+    master_port: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str = "unison"
+    rdzv_conf: str = ""
+    local_addr: str | None = None
+    max_restarts: int = 0
+    cpu: bool = False
+    mixed_precision: str | None = None
+    gradient_accumulation_steps: int | None = None
+    timeout: float | None = None
+
+
+def usable_cpu_count() -> int:
+    """CPU cores this process may run on (honours taskset / cgroup cpusets where the OS tells)."""
+    if hasattr(os, "sched_getaffinity"):
+        return max(len(os.sched_getaffinity(0)), 1)
+    return os.cpu_count() or 1
+
+
+def auto_nproc_per_node(cpu: bool) -> int:
+    """Processes for `--nproc-per-node auto`: one per visible GPU, else see MAX_AUTO_CPU_PROCESSES."""
+    if not cpu and torch.cuda.is_available():
+        return torch.cuda.device_count()
+    return min(usable_cpu_count(), MAX_AUTO_CPU_PROCESSES)
+
+
+def resolve_nproc_per_node(value: int | str, cpu: bool) -> int:
+    """Turn `--nproc-per-node` (a number or "auto") into a checked number of processes."""
+    if isinstance(value, str) and value.strip().lower() == "auto":
+        return auto_nproc_per_node(cpu)
+    try:
+        nproc = int(value)
+    except (TypeError, ValueError):
+        raise LaunchError(
+            f"--nproc-per-node {value!r} is neither a number nor 'auto': pass e.g. --nproc-per-node 2, or "
+            "'auto' for one process per GPU."
+        ) from None
+    if nproc < 1:
+        raise LaunchError(f"--nproc-per-node {nproc} is below 1: each node needs at least one process.")
+    if not cpu and torch.cuda.is_available() and nproc > torch.cuda.device_count():
+        raise LaunchError(
+            f"--nproc-per-node {nproc} is more than the {torch.cuda.device_count()} GPU(s) this node has: "
+            "each process needs its own GPU. Start at most that many processes, or pass --cpu to run "
+            "every process on the CPU."
+        )
+    return nproc
+
+
+def parse_nnodes(nnodes: str) -> tuple[int, int]:
+    """`--nnodes 2` -> (2, 2); `--nnodes 1:4` (elastic, c10d rendezvous only) -> (1, 4)."""
+    parts = str(nnodes).split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
+    except (ValueError, IndexError):
+        low = high = -1
+    if len(parts) > 2 or not 0 < low <= high:
+        raise LaunchError(
+            f"--nnodes {nnodes!r} is not a node count: pass a number >= 1 such as --nnodes 2, or MIN:MAX "
+            "such as 1:4 for an elastic job with --rdzv-endpoint."
+        )
+    return low, high
+
+
+def validate(options: LaunchOptions) -> int:
+    """Check every flag; return the number of processes per node. Raises LaunchError naming the fix."""
+    if not os.path.isfile(options.script):
+        raise LaunchError(
+            f"the script {options.script!r} does not exist (looked in {os.getcwd()}): pass the path of "
+            "a Python file, e.g. `unison launch --nproc-per-node 2 train.py`."
+        )
+    if options.mixed_precision is not None:
+        try:
+            validate_mixed_precision(options.mixed_precision)
+        except ValueError as error:
+            raise LaunchError(f"--mixed-precision: {error}") from None
+    steps = options.gradient_accumulation_steps
+    if steps is not None and steps < 1:
+        raise LaunchError(
+            f"--gradient-accumulation-steps {steps} is below 1: it counts the micro-batches per optimizer "
+            "step, so 1 means no accumulation."
+        )
+    if options.timeout is not None and not options.timeout > 0:
+        raise LaunchError(
+            f"--timeout {options.timeout:g} is not a positive number of seconds: a collective needs a "
+            "finite limit so a stuck process cannot hang the others forever. Pass e.g. --timeout 600."
+        )
+    if options.max_restarts < 0:
+        raise LaunchError(f"--max-restarts {options.max_restarts} is negative: pass 0 (no restart) or more.")
+    min_nodes, max_nodes = parse_nnodes(options.nnodes)
+    if max_nodes > 1 and not options.rdzv_endpoint:
+        _validate_static_multi_node(options, max_nodes, min_nodes)
+    return resolve_nproc_per_node(options.nproc_per_node, options.cpu)
+
+
+def _validate_static_multi_node(options: LaunchOptions, max_nodes: int, min_nodes: int) -> None:
+    if min_nodes != max_nodes:
+        raise LaunchError(
+            f"--nnodes {options.nnodes} is elastic (a range) but no --rdzv-endpoint was given: a range "
+            "needs the c10d rendezvous. Pass --rdzv-endpoint HOST:PORT, or a fixed --nnodes."
+        )
+    if not options.master_addr:
+        raise LaunchError(
+            f"--nnodes {max_nodes} needs to know where node 0 is: pass --master-addr HOST --master-port "
+            "PORT --node-rank R on every node (static rendezvous), or --rdzv-endpoint HOST:PORT."
+        )
+    if options.node_rank is None or not 0 <= options.node_rank < max_nodes:
+        raise LaunchError(
+            f"--node-rank {options.node_rank} is not in [0, {max_nodes}): with --master-addr every node "
+            "needs its own --node-rank (0 on the master node, 1, 2, ... on the others)."
+        )
+
+
+def free_loopback_port() -> int:
+    """A TCP port nobody listens on at 127.0.0.1 right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def worker_environment(
+    nproc_per_node: int,
+    *,
+    cpu: bool = False,
+    mixed_precision: str | None = None,
+    gradient_accumulation_steps: int | None = None,
+    timeout: float | None = None,
+) -> dict[str, str]:
+    """Variables exported to the workers (and torch's elastic agent) for one launch.
+
+    Only settings that were given are exported, so variables the user exported by hand still reach
+    the workers when the flag is absent.
+    """
+    env = {}
+    if cpu:
+        env[launch_env.CPU] = "1"
+    if mixed_precision is not None:
+        env[launch_env.MIXED_PRECISION] = validate_mixed_precision(mixed_precision)
+    if gradient_accumulation_steps is not None:
+        env[launch_env.GRADIENT_ACCUMULATION_STEPS] = str(gradient_accumulation_steps)
+    if timeout is not None:
+        env[launch_env.TIMEOUT] = f"{timeout:g}"
+    if "OMP_NUM_THREADS" not in os.environ:
+        # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
+        env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
+    env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # c10d only: fresh store per restart attempt
+    env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
+    return env
+
+
+def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> list[str]:
+    """The torch.distributed.run command line equivalent to `options`."""
+    _, max_nodes = parse_nnodes(options.nnodes)
+    argv = [
+        f"--nnodes={options.nnodes}",
+        f"--nproc-per-node={nproc_per_node}",
+        f"--max-restarts={options.max_restarts}",
+        "--tee=3",  # workers' stdout/stderr go through torch's tailer, which adds the rank prefix
+        f"--log-dir={log_dir}",
+    ]
+    if options.rdzv_endpoint:
+        argv += [
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={options.rdzv_endpoint}",
+            f"--rdzv-id={options.rdzv_id}",
+        ]
+        if options.rdzv_conf:
+            argv.append(f"--rdzv-conf={options.rdzv_conf}")
+    elif max_nodes == 1:
+        argv += [
+            f"--master-addr={options.master_addr or '127.0.0.1'}",
+            f"--master-port={options.master_port or free_loopback_port()}",
+        ]
+    else:
+        argv += [
+            f"--master-addr={options.master_addr}",
+            f"--master-port={options.master_port or DEFAULT_MASTER_PORT}",
+            f"--node-rank={options.node_rank}",
+        ]
+    if options.local_addr:
+        argv.append(f"--local-addr={options.local_addr}")
+    return [*argv, options.script, *options.script_args]
+
+
+@contextlib.contextmanager
+def exported(env: Mapping[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration of the launch, then restore the previous values."""
+    previous = {name: os.environ.get(name) for name in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for name, value in previous.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def launch(options: LaunchOptions) -> int:
+    """Run the launch described by `options`; return the exit code (0 when every worker succeeded)."""
+    from torch.distributed import run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    nproc_per_node = validate(options)
+    with tempfile.TemporaryDirectory(prefix="unison-launch-") as log_dir:
+        argv = torchrun_argv(options, nproc_per_node, log_dir)
+        env = worker_environment(
+            nproc_per_node,
+            cpu=options.cpu,
+            mixed_precision=options.mixed_precision,
+            gradient_accumulation_steps=options.gradient_accumulation_steps,
+            timeout=options.timeout,
+        )
+        with exported(env):
+            logger.debug("torch.distributed.run %s", " ".join(argv))
+            try:
+                torchrun.run(torchrun.get_args_parser().parse_args(argv))
+            except ChildFailedError as error:
+                return _report_failure(error)
+            except SignalException as error:
+                logger.error("unison launch: stopped by %s; the workers were terminated.", error.sigval.name)
+                return 128 + int(error.sigval)
+    return 0
+
+
+def _failed_at(failure) -> float:
+    """When a worker failed: unison's exact time from its error file, else torch's whole seconds."""
+    message = failure.error_file_data.get("message")
+    if isinstance(message, dict):
+        return float(message.get("extraInfo", {}).get("unison_failed_at", failure.timestamp))
+    return float(failure.timestamp)
+
+
+def _report_failure(error) -> int:
+    """Name the rank that failed first (the cause; its peers usually fail because it went away)."""
+    rank = min(error.failures, key=lambda r: _failed_at(error.failures[r]))
+    failure = error.failures[rank]
+    others = sorted(r for r in error.failures if r != rank)
+    cause = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    logger.error(
+        "unison launch: rank %d (local rank %d, pid %d) failed first, with exit code %d%s. Its output above "
+        "is prefixed [rank%d]:.%s",
+        rank,
+        failure.local_rank,
+        failure.pid,
+        failure.exitcode,
+        f": {cause}" if cause and not cause.startswith("To enable traceback") else "",
+        rank,
+        f" Ranks {others} failed too (usually only because rank {rank} went away)." if others else "",
+    )
+    return failure.exitcode if 0 < failure.exitcode < 128 else 1

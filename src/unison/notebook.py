@@ -1,0 +1,134 @@
+"""`notebook_launcher`: run a training function in N processes from a notebook (or any Python session).
+
+A notebook cannot run `unison launch script.py`, so this starts the processes around a function
+instead, through the same torch elastic agent (`elastic_launch` with a function entrypoint). Workers
+are forked where the OS allows it, because a function defined in a notebook cell cannot be pickled
+for a freshly spawned interpreter. Each worker gets torch's RANK/WORLD_SIZE/MASTER_* variables, so the
+`Accelerator()` / `PartialState()` created *inside* the function forms the process group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import multiprocessing
+import sys
+import tempfile
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+from . import launch_env
+from .launcher import (
+    RANK_PREFIX_TEMPLATE,
+    exported,
+    free_loopback_port,
+    resolve_nproc_per_node,
+    worker_environment,
+)
+from .state import AcceleratorState, PartialState, validate_mixed_precision
+
+
+def notebook_launcher(
+    function: Callable[..., Any],
+    args: Sequence[Any] = (),
+    num_processes: int | None = None,
+    mixed_precision: str = "no",
+    use_port: str | int | None = None,
+    master_addr: str = "127.0.0.1",
+    node_rank: int = 0,
+    num_nodes: int = 1,
+    max_restarts: int = 0,
+) -> dict[int, Any]:
+    """Run `function(*args)` in `num_processes` processes on this node; return {rank: its return value}.
+
+    num_processes: None means one per GPU, or without GPUs a few CPU processes (see
+    `unison launch --nproc-per-node auto`). With 1, the function runs here, in this process.
+    mixed_precision: the default for `Accelerator()` inside the function (exported as
+    UNISON_MIXED_PRECISION). use_port: the rendezvous port on `master_addr`; None picks a free one
+    (single node). Several machines: the same call on each with num_nodes, node_rank, master_addr and
+    use_port set. Raises RuntimeError naming the rank that failed first and showing its traceback.
+    """
+    mixed_precision = validate_mixed_precision(mixed_precision)
+    if PartialState._shared_state or AcceleratorState._shared_state:
+        raise RuntimeError(
+            "notebook_launcher found a PartialState/Accelerator already created in this process: the "
+            "workers would inherit it instead of forming their group. Create the Accelerator inside "
+            "the function you launch, and restart the notebook kernel to clear the existing one."
+        )
+    nproc = resolve_nproc_per_node("auto" if num_processes is None else num_processes, cpu=False)
+    env = {launch_env.MIXED_PRECISION: mixed_precision}
+    if nproc == 1 and num_nodes == 1:
+        with exported(env):
+            return {0: function(*args)}
+    start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
+    if start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "CUDA was already initialised in this notebook, and forked workers cannot use it. Restart "
+            "the kernel and keep every CUDA call (model.cuda(), torch.cuda.* ...) inside the function."
+        )
+    port = int(use_port) if use_port is not None else free_loopback_port()
+    with tempfile.TemporaryDirectory(prefix="unison-notebook-") as log_dir:
+        config = LaunchConfig(
+            min_nodes=num_nodes,
+            max_nodes=num_nodes,
+            nproc_per_node=nproc,
+            run_id="unison-notebook",
+            rdzv_backend="static",
+            rdzv_endpoint=f"{master_addr}:{port}",
+            rdzv_configs={"rank": node_rank},
+            max_restarts=max_restarts,
+            start_method=start_method,
+            # tee: the workers' output reaches this process's sys.stdout, i.e. the notebook cell
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
+            log_line_prefix_template=RANK_PREFIX_TEMPLATE,
+        )
+        with exported({**worker_environment(nproc), **env}):
+            try:
+                return elastic_launch(config, _run_in_worker)(function, *args)
+            except ChildFailedError as error:
+                rank, text = _first_failure(log_dir) or _torch_failure(error)
+                raise RuntimeError(f"notebook_launcher: rank {rank} failed first:\n{text}") from None
+
+
+def _run_in_worker(function: Callable[..., Any], *args: Any) -> Any:
+    """The worker's entrypoint: the user's function, then a clean end of the process group it formed.
+
+    An exception goes to unison's excepthook when the function formed a group (PartialState installs
+    it): the traceback is printed with the failure time recorded, and the process ends at once so its
+    peers do not wait in a collective until the timeout.
+    """
+    try:
+        result = function(*args)
+    except BaseException:
+        if sys.excepthook is not sys.__excepthook__:
+            sys.excepthook(*sys.exc_info())
+        raise
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    return result
+
+
+def _first_failure(log_dir: str) -> tuple[str, str] | None:
+    """(rank, traceback) of the earliest failure recorded by unison's excepthook in the error files."""
+    failures = []
+    for path in Path(log_dir).rglob("error.json"):
+        with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
+            info = json.loads(path.read_text())["message"]["extraInfo"]
+            failures.append((float(info["unison_failed_at"]), info["unison_rank"], info["py_callstack"]))
+    return min(failures)[1:] if failures else None
+
+
+def _torch_failure(error: ChildFailedError) -> tuple[str, str]:
+    """(rank, traceback) as torch's agent reported it, when unison recorded nothing."""
+    rank, failure = error.get_first_failure()
+    message = failure.message
+    if isinstance(message, dict):
+        return str(rank), message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
+    return str(rank), f"exit code {failure.exitcode} ({message})"

@@ -1,0 +1,141 @@
+"""Optimizer and LR-scheduler wrappers that know about gradient accumulation and fp16 skips.
+
+While gradients accumulate, `optimizer.step()`, `optimizer.zero_grad()` and `scheduler.step()` do
+nothing, so the user's loop calls them every micro-step and the real update happens once per
+accumulation window. The scheduler steps exactly once per real optimizer step, whatever the number
+of processes: the schedule is written in optimizer steps and means the same on 1 or 64 processes
+(Accelerate steps it num_processes times per call unless told otherwise, its issue #2926).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .state import GradientState
+
+
+class AcceleratedOptimizer(torch.optim.Optimizer):
+    """Wraps a torch optimizer; an `Optimizer` itself so schedulers and utilities accept it.
+
+    The wrapped optimizer does the work; this class only decides *whether* a call happens now and
+    routes fp16 steps through the GradScaler (which skips a step whose gradients overflowed).
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, scaler: torch.amp.GradScaler | None = None):
+        # Deliberately no super().__init__: the state lives in the wrapped optimizer.
+        self.optimizer = optimizer
+        self.scaler = scaler
+        self.gradient_state = GradientState()
+        self.step_was_skipped = False
+        self.num_steps_taken = 0
+        self._unscaled = False
+
+    # -- the wrapped optimizer's data, shared rather than copied -------------------------------
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optimizer.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optimizer.param_groups = value
+
+    @property
+    def state(self) -> Any:
+        return self.optimizer.state
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        return self.optimizer.defaults
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.optimizer.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state_dict)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optimizer.add_param_group(param_group)
+
+    # -- the calls that accumulation gates ------------------------------------------------------
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self.gradient_state.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+    def unscale_gradients(self) -> None:
+        """Divide fp16 gradients by the loss scale, once per step (before clipping them)."""
+        if self.scaler is not None and not self._unscaled:
+            self.scaler.unscale_(self.optimizer)
+            self._unscaled = True
+
+    def step(self, closure=None):
+        if not self.gradient_state.sync_gradients:
+            return None
+        self._unscaled = False
+        if self.scaler is None:
+            self.step_was_skipped = False
+            self.num_steps_taken += 1
+            return self.optimizer.step(closure)
+        scale_before = self.scaler.get_scale()
+        result = self.scaler.step(self.optimizer, closure) if closure else self.scaler.step(self.optimizer)
+        self.scaler.update()
+        # GradScaler lowers the scale exactly when it skipped the step for inf/nan gradients.
+        self.step_was_skipped = self.scaler.get_scale() < scale_before
+        if not self.step_was_skipped:
+            self.num_steps_taken += 1
+        return result
+
+    def train(self) -> None:
+        """Forward to optimizers with train/eval modes (schedule-free optimizers)."""
+        if hasattr(self.optimizer, "train"):
+            self.optimizer.train()
+
+    def eval(self) -> None:
+        if hasattr(self.optimizer, "eval"):
+            self.optimizer.eval()
+
+    def __repr__(self) -> str:
+        return f"AcceleratedOptimizer({self.optimizer!r})"
+
+
+class AcceleratedScheduler:
+    """Wraps an LR scheduler so it steps once per real (not skipped) optimizer step.
+
+    With step_with_optimizer=False it steps on every call instead, for schedules written in
+    micro-batches (Accelerate's step_scheduler_with_optimizer=False).
+    """
+
+    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], step_with_optimizer: bool = True):
+        self.scheduler = scheduler
+        self.optimizers = optimizers
+        self.step_with_optimizer = step_with_optimizer
+        self.gradient_state = GradientState()
+
+    def step(self, *args, **kwargs) -> None:
+        if not self.step_with_optimizer:
+            self.scheduler.step(*args, **kwargs)
+            return
+        if not self.gradient_state.sync_gradients:
+            return
+        if any(optimizer.step_was_skipped for optimizer in self.optimizers):
+            return  # fp16 overflow: the optimizer did not step, so neither does the schedule
+        self.scheduler.step(*args, **kwargs)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state_dict)
+
+    def __getattr__(self, name: str) -> Any:
+        # Anything else (get_lr, base_lrs, last_epoch, ...) is the wrapped scheduler's.
+        if name == "scheduler":
+            raise AttributeError(name)
+        return getattr(self.scheduler, name)
+
+    def __repr__(self) -> str:
+        return f"AcceleratedScheduler({self.scheduler!r})"

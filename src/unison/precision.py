@@ -1,0 +1,62 @@
+"""Mixed precision: which autocast dtype, when it is active, and the fp16 gradient scaler.
+
+Autocast reaches a prepared model through a forward pre-hook that enters `torch.autocast` and a
+forward hook (always called, even when forward raises) that leaves it, so the user's `forward` is
+never replaced. Floating outputs come back as fp32 so losses and metrics computed outside the model
+keep full precision, as in Accelerate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+
+from .ops import recursively_apply
+
+AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class PrecisionPolicy:
+    """The precision a run trains in, on one device type."""
+
+    def __init__(self, mixed_precision: str, device: torch.device, scaler_kwargs: dict[str, Any] | None = None):
+        self.mixed_precision = mixed_precision
+        self.device_type = device.type
+        self.dtype = AUTOCAST_DTYPES.get(mixed_precision)
+        self.scaler = (
+            torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {})) if mixed_precision == "fp16" else None
+        )
+
+    @property
+    def enabled(self) -> bool:
+        return self.dtype is not None
+
+    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
+        """torch.autocast in the run's dtype, or a null context in full precision."""
+        if not (enabled and self.enabled):
+            return contextlib.nullcontext()
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+
+    def attach_to(self, model: torch.nn.Module) -> None:
+        """Run `model`'s forward under autocast and hand its floating outputs back in fp32."""
+        if not self.enabled:
+            return
+        active: list[contextlib.AbstractContextManager] = []
+
+        def enter_autocast(module, args):
+            context = self.autocast()
+            context.__enter__()
+            active.append(context)
+
+        def leave_autocast(module, args, output):
+            active.pop().__exit__(None, None, None)
+            return recursively_apply(_to_fp32, output)
+
+        model.register_forward_pre_hook(enter_autocast)
+        model.register_forward_hook(leave_autocast, always_call=True)
+
+
+def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor

@@ -1,0 +1,82 @@
+"""Accelerator training through real launched processes, judged against single-process references."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from launching import launch_ok
+
+WORKER = Path(__file__).parent / "workers" / "training_worker.py"
+TOLERANCE = 1e-5
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+def results(request, tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp(f"training{request.param}")
+    launch_ok(WORKER, request.param, str(out_dir))
+    return [json.loads((out_dir / f"rank{rank}.json").read_text()) for rank in range(request.param)]
+
+
+def test_every_rank_reports(results):
+    assert [r["rank"] for r in results] == list(range(len(results)))
+    assert all(r["num_processes"] == len(results) for r in results)
+
+
+def test_ddp_matches_single_process_with_the_global_batch(results):
+    for rank_result in results:
+        for run in rank_result["runs"]:
+            assert run["diff_vs_global_batch"] < TOLERANCE, run
+
+
+def test_ddp_matches_single_process_with_accumulation(results):
+    for rank_result in results:
+        for run in rank_result["runs"]:
+            assert run["diff_vs_accumulation"] < TOLERANCE, run
+
+
+def test_no_sync_inside_window_and_sync_at_its_end(results):
+    for rank_result in results:
+        for run in rank_result["runs"]:
+            assert all(run["grads_agree_at_sync"]) and len(run["grads_agree_at_sync"]) == 5
+            if run["accumulation"] == 1:
+                assert run["grads_agree_inside_window"] == []
+            else:
+                # Each rank saw different samples, so un-synchronised gradients must differ.
+                assert run["grads_agree_inside_window"] == [False] * 5
+
+
+def test_scheduler_steps_once_per_optimizer_step(results):
+    for rank_result in results:
+        for run in rank_result["runs"]:
+            assert run["optimizer_steps"] == 5
+            assert run["scheduler_last_epoch"] == 5
+            assert run["lr"] == pytest.approx((0.1 if run["optimizer"] == "sgd" else 1e-2) * 0.9**5)
+
+
+def test_last_batch_of_loader_always_syncs(results):
+    for rank_result in results:
+        assert rank_result["end_of_loader_sync"] == [False, True, True]
+
+
+def test_bad_input_raises_on_every_rank(results):
+    for rank_result in results:
+        errors = rank_result["errors"]
+        assert (
+            errors["accumulation_zero"].startswith("ValueError")
+            and "gradient_accumulation_steps=0" in errors["accumulation_zero"]
+        )
+        assert errors["unknown_precision"].startswith("ValueError") and "'fp8'" in errors["unknown_precision"]
+        assert (
+            errors["conflicting_precision"].startswith("ValueError")
+            and "bf16" in errors["conflicting_precision"]
+        )
+        assert (
+            errors["unsupported_object"].startswith("TypeError")
+            and "builtins.str" in errors["unsupported_object"]
+        )
+        assert (
+            errors["prepared_twice"].startswith("ValueError")
+            and "already prepared" in errors["prepared_twice"]
+        )

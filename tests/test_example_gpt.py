@@ -1,0 +1,154 @@
+"""The GPT example (examples/gpt): its model and data alone, then one real 2-process training run."""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import math
+import re
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from launching import REPO_ROOT, launch_ok
+
+EXAMPLE = REPO_ROOT / "examples" / "gpt"
+
+
+def _load(name: str):
+    """Import examples/gpt/NAME.py under a private name (the example is scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location(f"gpt_example_{name}", EXAMPLE / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+model_lib = _load("model")
+data_lib = _load("data")
+
+
+def tiny_config(**overrides):
+    settings = dict(block_size=16, vocab_size=50, n_layer=2, n_head=4, n_embd=32)
+    return model_lib.GPTConfig(**{**settings, **overrides})
+
+
+def test_model_shapes_initial_loss_tying_and_generate():
+    torch.manual_seed(0)
+    model = model_lib.GPT(tiny_config())
+    idx = torch.randint(0, 50, (3, 16))
+    logits, loss = model(idx, torch.randint(0, 50, (3, 16)))
+    assert logits.shape == (3, 16, 50)
+    # small init: near-uniform predictions, so the loss starts at about ln(vocab)
+    assert abs(loss.item() - math.log(50)) < 0.1, loss.item()
+    assert model(idx)[1] is None
+    assert model.lm_head.weight is model.transformer.wte.weight
+    assert isinstance(model.transformer.h, nn.ModuleList) and len(model.transformer.h) == 2
+    # each parameter once: the tied matrix is not counted twice
+    assert model.num_parameters() == sum(p.numel() for p in set(model.parameters()))
+    # residual projections get the smaller, depth-scaled init
+    c_proj_std = model.transformer.h[0].attn.c_proj.weight.std().item()
+    c_fc_std = model.transformer.h[0].mlp.c_fc.weight.std().item()
+    assert c_proj_std < 0.7 * c_fc_std
+
+    out = model.generate(idx[:1, :3], max_new_tokens=20, top_k=5)
+    assert out.shape == (1, 23) and torch.equal(out[:, :3], idx[:1, :3])
+    assert out.max() < 50
+    with pytest.raises(ValueError, match="block_size=16"):
+        model(torch.zeros(1, 17, dtype=torch.long))
+
+
+def test_attention_runs_unchanged_on_a_share_of_the_heads():
+    """Two halves of the heads (as two tensor-parallel ranks would hold them) sum to the full output.
+
+    This is why attention reshapes with view(B, T, -1, head_dim) and splits q/k/v with chunk: the
+    same forward must run on c_attn/c_proj slices that hold n_head/tp heads.
+    """
+    torch.manual_seed(0)
+    config = tiny_config(bias=False)
+    attn = model_lib.CausalSelfAttention(config)
+    x = torch.randn(2, 10, config.n_embd)
+    full = attn(x)
+    C, half = config.n_embd, config.n_embd // 2
+    w_q, w_k, w_v = attn.c_attn.weight.detach().split(C)
+    total = torch.zeros_like(full)
+    for rank in range(2):
+        rows = slice(rank * half, (rank + 1) * half)  # this rank's heads
+        shard = copy.deepcopy(attn)
+        shard.c_attn = nn.Linear(C, 3 * half, bias=False)
+        shard.c_attn.weight.data = torch.cat([w_q[rows], w_k[rows], w_v[rows]])
+        shard.c_proj = nn.Linear(half, C, bias=False)
+        shard.c_proj.weight.data = attn.c_proj.weight.detach()[:, rows].clone()
+        total += shard(x)
+    torch.testing.assert_close(total, full, atol=1e-5, rtol=1e-5)
+
+
+def test_default_corpus_is_deterministic_and_the_tokenizer_round_trips():
+    first, second = data_lib.load_corpus(), data_lib.load_corpus()
+    assert first == second
+    assert len(first) == data_lib.DEFAULT_CORPUS_CHARS
+    assert "def " in first and "import " in first  # it is Python source
+    tokenizer = data_lib.CharTokenizer(first)
+    assert tokenizer.chars == sorted(set(first))
+    sample = first[123_456:125_000]
+    assert tokenizer.decode(tokenizer.encode(sample)) == sample
+    assert tokenizer.decode(torch.tensor(tokenizer.encode(sample))) == sample
+    with pytest.raises(ValueError, match="not in the tokenizer's vocabulary"):
+        tokenizer.encode("\x00")
+
+
+def test_data_path_reads_files_and_folders_in_sorted_order(tmp_path):
+    (tmp_path / "b.txt").write_text("second\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "c.md").write_text("third\n")
+    (tmp_path / "a.txt").write_text("first\n")
+    (tmp_path / "blob.bin").write_bytes(b"\x00\x01binary")
+    assert data_lib.load_corpus(tmp_path) == "first\nsecond\nthird\n"
+    assert data_lib.load_corpus(tmp_path / "b.txt") == "second\n"
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        data_lib.load_corpus(tmp_path / "missing")
+    with pytest.raises(ValueError, match="not a UTF-8 text file"):
+        data_lib.load_corpus(tmp_path / "blob.bin")
+
+
+def test_windows_are_shifted_pairs_that_tile_the_text_and_the_split_is_90_10():
+    tokens = torch.arange(1000)
+    train, val = data_lib.train_val_split(tokens)
+    assert len(train) == 900 and len(val) == 100 and torch.equal(torch.cat([train, val]), tokens)
+    windows = data_lib.CharWindows(train, block_size=16)
+    assert len(windows) == (900 - 1) // 16  # non-overlapping, each with its one-token-later target
+    xs = [windows[i][0] for i in range(len(windows))]
+    assert torch.equal(torch.cat(xs), train[: 16 * len(windows)])
+    x, y = windows[len(windows) - 1]
+    assert x.shape == y.shape == (16,) and torch.equal(y[:-1], x[1:]) and y[-1] == x[-1] + 1
+    assert len(data_lib.CharWindows(train, block_size=16, stride=8)) == (900 - 1 - 16) // 8 + 1
+    with pytest.raises(ValueError, match="block_size=16"):
+        data_lib.CharWindows(torch.arange(16), block_size=16)
+
+
+def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_steps():
+    result = launch_ok(
+        EXAMPLE / "train.py",
+        2,
+        *("--max-steps", 6, "--batch-size", 4, "--block-size", 16, "--n-layer", 1, "--n-head", 2),
+        *("--n-embd", 32, "--log-interval", 2, "--eval-interval", 3, "--eval-batches", 2),
+        *("--sample-chars", 40, "--warmup-steps", 2),
+        launch_args=("--gradient-accumulation-steps", "2"),  # reaches Accelerator() through the env
+        timeout=120,
+    )
+    lines = result.stdout.splitlines()
+    loss_lines = [line for line in lines if "| loss " in line]
+    val_lines = [line for line in lines if "| val loss " in line]
+    assert len(loss_lines) == 3 and len(val_lines) == 2, result.stdout
+    assert all(line.startswith("[rank0]:") for line in loss_lines + val_lines), result.stdout
+    assert [int(re.search(r"step +(\d+)/6", line).group(1)) for line in loss_lines] == [2, 4, 6]
+    assert [int(re.search(r"step +(\d+)/6", line).group(1)) for line in val_lines] == [3, 6]
+    for line in loss_lines + val_lines:
+        loss = float(re.search(r"loss (\d+\.\d+)", line).group(1))
+        assert 0 < loss < 6, line
+    header = next(line for line in lines if "tokens per step" in line)
+    assert "2 process(es)" in header and "x 2 micro-step(s)" in header, header
+    assert "trained 6 steps" in result.stdout
+    assert result.stdout.count("---- sample ----") == 1
+    assert not any(line.startswith("[rank1]:") and "loss" in line for line in lines)

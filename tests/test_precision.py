@@ -1,0 +1,130 @@
+"""Mixed precision in one process: bf16 and fp16 autocast on the CPU, and the fp16 loss scaler."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from unison import Accelerator, AcceleratorState, GradientState, PartialState
+
+
+@pytest.fixture(autouse=True)
+def fresh_state():
+    """Each test builds its own Accelerator: one precision per process, so forget the last one."""
+    for state in (AcceleratorState, PartialState, GradientState):
+        state._reset_state()
+    yield
+    for state in (AcceleratorState, PartialState, GradientState):
+        state._reset_state()
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 1))
+
+
+def make_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 8, generator=generator)
+    return x, x.sum(dim=1, keepdim=True)
+
+
+def train(mixed_precision: str, steps: int) -> tuple[list[float], nn.Module]:
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=True)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = make_batch()
+    losses = []
+    for _ in range(steps):
+        loss = nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses, accelerator.unwrap_model(model)
+
+
+@pytest.mark.parametrize("mixed_precision, dtype", [("bf16", torch.bfloat16), ("fp16", torch.float16)])
+def test_prepared_model_computes_in_low_precision_and_returns_fp32(mixed_precision, dtype):
+    accelerator = Accelerator(mixed_precision=mixed_precision, cpu=True)
+    model = make_model()
+    seen = []
+    model[0].register_forward_hook(lambda module, args, output: seen.append(output.dtype))
+    model = accelerator.prepare(model)
+    output = model(make_batch()[0])
+    assert seen == [dtype]
+    assert output.dtype == torch.float32
+    with accelerator.autocast():
+        assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == dtype
+    # Outside the prepared forward and autocast(), computation is full precision again.
+    assert (torch.ones(2, 2) @ torch.ones(2, 2)).dtype == torch.float32
+
+
+def test_bf16_training_follows_fp32_and_learns():
+    fp32_losses, fp32_model = train("no", 30)
+    for state in (AcceleratorState, PartialState, GradientState):
+        state._reset_state()
+    bf16_losses, bf16_model = train("bf16", 30)
+    assert bf16_losses[-1] < 0.2 * bf16_losses[0]
+    assert bf16_losses[-1] == pytest.approx(fp32_losses[-1], rel=0.1, abs=0.02)
+    for p32, p16 in zip(fp32_model.parameters(), bf16_model.parameters()):
+        assert p16.dtype == torch.float32  # master weights stay fp32
+        assert torch.allclose(p32, p16, atol=0.05)
+
+
+def test_fp16_scales_the_loss_and_clip_unscales_before_measuring():
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    assert accelerator.scaler is not None
+    model = make_model()
+    reference = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    x, y = make_batch()
+    accelerator.backward(nn.functional.mse_loss(model(x), y))
+    scaled = torch.cat([p.grad.reshape(-1) for p in model.parameters()]).norm()
+    norm = accelerator.clip_grad_norm_(model.parameters(), max_norm=1e9)
+    nn.functional.mse_loss(reference(x), y).backward()
+    reference_norm = torch.cat([p.grad.reshape(-1) for p in reference.parameters()]).norm()
+    assert scaled == pytest.approx(accelerator.scaler.get_scale() * reference_norm.item(), rel=0.02)
+    assert norm.item() == pytest.approx(reference_norm.item(), rel=0.02)
+
+
+def test_fp16_overflow_skips_optimizer_and_scheduler_steps():
+    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    before = [p.detach().clone() for p in model.parameters()]
+    x, y = make_batch()
+    accelerator.backward(nn.functional.mse_loss(model(x), y))
+    next(model.parameters()).grad[0, 0] = float("inf")
+    optimizer.step()
+    scheduler.step()
+    assert accelerator.optimizer_step_was_skipped
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert scheduler.get_last_lr() == [0.05]
+    optimizer.zero_grad()
+    accelerator.backward(nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+    scheduler.step()
+    assert not accelerator.optimizer_step_was_skipped
+    assert scheduler.get_last_lr() == [0.025]
+
+
+def test_scheduler_steps_per_call_when_not_tied_to_the_optimizer():
+    accelerator = Accelerator(gradient_accumulation_steps=2, step_scheduler_with_optimizer=False, cpu=True)
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    x, y = make_batch()
+    for _ in range(4):
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    assert scheduler.get_last_lr() == [1.0 / 2**4]

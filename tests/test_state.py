@@ -1,0 +1,202 @@
+"""PartialState / AcceleratorState: a real gloo group under `unison launch`, and single-process rules."""
+
+import json
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+from launching import launch_ok
+
+from unison import launch_env
+from unison.state import AcceleratorState, DistributedType, PartialState, split_for_process
+
+WORKER = "tests/workers/state_worker.py"
+
+
+def reference_split(items: list, num_processes: int, process_index: int, padding: bool) -> list:
+    """np.array_split gives the first len % n parts one extra item: the rule split_between_processes keeps."""
+    share = [items[int(i)] for i in np.array_split(np.arange(len(items)), num_processes)[process_index]]
+    if padding:
+        longest = -(-len(items) // num_processes)
+        share += [share[-1] if share else items[-1]] * (longest - len(share))
+    return share
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+def launched(request, tmp_path_factory):
+    """One launch per world size: 2 processes pass PartialState(timeout=33), 3 get UNISON_TIMEOUT=42."""
+    nproc = request.param
+    out = tmp_path_factory.mktemp(f"state{nproc}")
+    if nproc == 2:  # the explicit argument must win over the launch flag
+        result = launch_ok(WORKER, nproc, out, "--explicit-timeout", "33", launch_args=["--timeout", "42"])
+        expected_timeout = 33.0
+    else:
+        result = launch_ok(WORKER, nproc, out, env={launch_env.TIMEOUT: "42"})
+        expected_timeout = 42.0
+    records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)]
+    return nproc, records, result, expected_timeout
+
+
+def test_real_gloo_group_and_identity(launched):
+    nproc, records, _, _ = launched
+    for rank, rec in enumerate(records):
+        assert rec["dist_initialized"] and rec["backend"] == "gloo"
+        assert rec["dist_world_size"] == rec["num_processes"] == rec["env_world_size"] == nproc
+        assert rec["dist_rank"] == rec["process_index"] == rec["env_rank"] == rank
+        assert rec["local_process_index"] == rec["env_local_rank"] == rank  # one node
+        assert rec["is_main_process"] is (rank == 0)
+        assert rec["is_local_main_process"] is (rank == 0)
+        assert rec["device"] == "cpu"
+        assert rec["distributed_type"] == DistributedType.MULTI_CPU.value
+        assert rec["all_reduce_rank_plus_one"] == nproc * (nproc + 1) / 2
+
+
+def test_timeout_reaches_the_process_group(launched):
+    _, records, _, expected = launched
+    for rec in records:
+        assert rec["state_timeout_s"] == expected
+        assert rec["group_timeout_s"] == expected
+
+
+def test_barrier_and_ordering(launched):
+    _, records, _, _ = launched
+    main = records[0]
+    for rec in records[1:]:
+        # rank 0 arrived at the barrier 0.5 s late: nobody may have left before it arrived
+        assert rec["barrier"]["left"] >= main["barrier"]["arrived"]
+        for block in ("main_process_first", "local_main_process_first"):
+            # the main process sleeps 0.5 s in the block; the others start only after it has finished
+            assert rec[block]["start"] >= main[block]["end"], block
+    for block in ("main_process_first", "local_main_process_first"):
+        assert main[block]["end"] - main[block]["start"] >= 0.45
+
+
+def test_split_between_processes(launched):
+    nproc, records, _, _ = launched
+    for rank, rec in enumerate(records):
+        splits = rec["splits"]
+        for n_items in (7, 2):
+            items = list(range(10, 10 + n_items))
+            for padding in (False, True):
+                key = f"{n_items}_{'pad' if padding else 'nopad'}"
+                expected = reference_split(items, nproc, rank, padding)
+                assert splits[f"list_{key}"] == expected, (rank, key)
+                assert splits[f"tuple_{key}"] == {"type": "tuple", "items": expected}, (rank, key)
+                assert splits[f"tensor_{key}"] == {"type": "Tensor", "rows": [[i, i] for i in expected]}
+                assert splits[f"dict_{key}"] == {"a": expected, "b": [[i, i] for i in expected]}
+    # the shares without padding cover the input exactly once, in order
+    covered = [i for rec in records for i in rec["splits"]["list_7_nopad"]]
+    assert covered == list(range(10, 17))
+
+
+def test_main_process_only_helpers(launched):
+    nproc, records, result, _ = launched
+    assert records[0]["on_main_process"] == {"returned": 42, "calls": [21]}
+    for rec in records[1:]:
+        assert rec["on_main_process"] == {"returned": None, "calls": []}
+    printed = [line for line in result.stdout.splitlines() if "PRINTED-BY-STATE" in line]
+    assert printed == ["[rank0]: PRINTED-BY-STATE from rank 0"]
+
+
+def test_conflicting_second_state_fails_on_every_rank(launched):
+    _, records, _, _ = launched
+    for rec in records:
+        errors = rec["conflict_errors"]
+        assert "cpu=False conflicts" in errors["cpu"]
+        assert "timeout=" in errors["timeout"] and "conflicts" in errors["timeout"]
+        assert "'fp16' conflicts" in errors["mixed_precision"] and "'bf16'" in errors["mixed_precision"]
+        assert rec["same_settings_ok"]
+
+
+def test_clean_shutdown_without_warnings(launched):
+    _, _, result, _ = launched
+    lowered = result.stderr.lower()
+    for complaint in ("warn", "destroy_process_group", "terminate called", "leak"):
+        assert complaint not in lowered, result.stderr
+
+
+# -- single process ------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """A plain `python script.py` process: no launcher variables, no state left by other tests."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", *launch_env.ALL):
+        monkeypatch.delenv(name, raising=False)
+    saved = (dict(PartialState._shared_state), dict(AcceleratorState._shared_state))
+    PartialState._reset_state()
+    AcceleratorState._reset_state()
+    yield
+    PartialState._reset_state()
+    AcceleratorState._reset_state()
+    PartialState._shared_state.update(saved[0])
+    AcceleratorState._shared_state.update(saved[1])
+
+
+def test_single_process_state(fresh_state):
+    state = PartialState(cpu=True)
+    assert (state.num_processes, state.process_index, state.local_process_index) == (1, 0, 0)
+    assert state.is_main_process and state.is_local_main_process
+    assert state.distributed_type == DistributedType.NO and state.device == torch.device("cpu")
+    assert not torch.distributed.is_initialized()
+    state.wait_for_everyone()  # a no-op, must not need a group
+    with state.split_between_processes([1, 2, 3]) as share:
+        assert share == [1, 2, 3]
+    assert state.timeout == timedelta(seconds=600)
+
+
+@pytest.mark.parametrize("source", ["argument", "env"])
+def test_timeout_sources(fresh_state, monkeypatch, source):
+    if source == "env":
+        monkeypatch.setenv(launch_env.TIMEOUT, "12.5")
+        state = PartialState(cpu=True)
+    else:
+        monkeypatch.setenv(launch_env.TIMEOUT, "99")  # the argument wins over the variable
+        state = PartialState(cpu=True, timeout=timedelta(seconds=12.5))
+    assert state.timeout == timedelta(seconds=12.5)
+    with pytest.raises(ValueError, match="conflicts"):
+        PartialState(timeout=13)
+    PartialState(timeout=12.5)  # the same value again is fine
+
+
+@pytest.mark.parametrize(
+    "timeout, env, match",
+    [(0, None, "timeout=0"), (-5, None, "timeout=-5"), (None, "soon", "UNISON_TIMEOUT='soon'")],
+)
+def test_bad_timeouts(fresh_state, monkeypatch, timeout, env, match):
+    if env is not None:
+        monkeypatch.setenv(launch_env.TIMEOUT, env)
+    with pytest.raises(ValueError, match=match):
+        PartialState(cpu=True, timeout=timeout)
+
+
+def test_bad_launch_variables(fresh_state, monkeypatch):
+    monkeypatch.setenv(launch_env.CPU, "maybe")
+    with pytest.raises(ValueError, match="UNISON_CPU='maybe'"):
+        PartialState()
+    monkeypatch.setenv(launch_env.CPU, "1")
+    monkeypatch.setenv(launch_env.MIXED_PRECISION, "fp8")
+    with pytest.raises(ValueError, match="'fp8' is unknown"):
+        AcceleratorState()
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("length", [0, 1, 5, 8, 9])
+def test_split_for_process_matches_reference(n, length):
+    items = list(range(length))
+    tensor = torch.arange(length)
+    for rank in range(n):
+        assert split_for_process(items, n, rank) == reference_split(items, n, rank, False)
+        assert split_for_process(tensor, n, rank).tolist() == reference_split(items, n, rank, False)
+        if length:
+            padded = reference_split(items, n, rank, True)
+            assert split_for_process(items, n, rank, apply_padding=True) == padded
+            assert split_for_process(tensor, n, rank, apply_padding=True).tolist() == padded
+
+
+def test_split_for_process_bad_inputs():
+    with pytest.raises(ValueError, match=r"different lengths \[2, 3\]"):
+        split_for_process({"a": [1, 2], "b": [1, 2, 3]}, 2, 0)
+    with pytest.raises(TypeError, match="cannot split a set"):
+        split_for_process({1, 2, 3}, 2, 0)

@@ -1,0 +1,49 @@
+"""Run by tests/test_launch.py with plain python, as a notebook would: functions live in __main__.
+
+Prints one JSON line with what notebook_launcher returned and how its failures looked.
+"""
+
+import json
+import time
+
+import torch
+import torch.distributed as dist
+
+from unison import AcceleratorState, PartialState
+from unison.notebook import notebook_launcher
+
+
+def train(scale):
+    state = AcceleratorState()
+    total = torch.tensor([state.process_index + 1.0]) * scale
+    dist.all_reduce(total)
+    print(f"worker {state.process_index} of {state.num_processes}")
+    return {
+        "rank": state.process_index,
+        "world": dist.get_world_size(),
+        "sum": total.item(),
+        "mixed_precision": state.mixed_precision,
+        "distributed_type": state.distributed_type.value,
+    }
+
+
+def fail_on_rank_1():
+    state = PartialState(timeout=60)
+    if state.process_index == 1:
+        raise ValueError("notebook failure on rank 1")
+    dist.barrier()
+
+
+report = {"results": notebook_launcher(train, (10,), num_processes=2, mixed_precision="bf16")}
+start = time.monotonic()
+try:
+    notebook_launcher(fail_on_rank_1, num_processes=2)
+except RuntimeError as error:
+    report["failure"] = str(error)
+report["failure_seconds"] = time.monotonic() - start
+PartialState(cpu=True)  # a state in the launching process must be refused
+try:
+    notebook_launcher(train, (1,), num_processes=2)
+except RuntimeError as error:
+    report["existing_state"] = str(error)
+print("REPORT " + json.dumps(report))

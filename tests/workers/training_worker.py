@@ -1,0 +1,165 @@
+"""Launched worker: DDP training through unison against single-process references.
+
+Each rank trains a small MLP through `Accelerator.prepare` for several (accumulation, optimizer)
+settings and compares its parameters with two plain-torch references it computes itself: one
+process with the global batch, and one process with the same samples fed as accumulated micro-batches.
+It also records whether gradients differ across ranks inside an accumulation window (no_sync) and
+agree at its end, how often the scheduler stepped, which micro-steps synchronised at the end of a
+loader, and the errors that bad input raises. Results go to OUT_DIR/rank<r>.json for the test to judge.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Accelerator
+from unison.ops import gather
+
+STEPS = 5
+MICRO_BATCH = 4  # per process
+FEATURES, HIDDEN, OUTPUTS = 8, 16, 4
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(1234)
+    return nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, OUTPUTS))
+
+
+def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def make_data(num_samples: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(99)
+    x = torch.randn(num_samples, FEATURES, generator=generator)
+    y = torch.randn(num_samples, OUTPUTS, generator=generator)
+    return TensorDataset(x, y)
+
+
+def reference(
+    dataset: TensorDataset, optimizer_name: str, step_size: int, micro_batch: int
+) -> list[torch.Tensor]:
+    """One process: each optimizer step sees `step_size` consecutive samples in micro-batches."""
+    model = make_model()
+    optimizer = make_optimizer(optimizer_name, model)
+    x, y = dataset.tensors
+    accumulation = step_size // micro_batch
+    for step in range(STEPS):
+        for micro in range(accumulation):
+            start = step * step_size + micro * micro_batch
+            loss = nn.functional.mse_loss(
+                model(x[start : start + micro_batch]), y[start : start + micro_batch]
+            )
+            (loss / accumulation).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def grads_agree_across_ranks(model: nn.Module) -> bool:
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters()])
+    everyone = gather(flat.unsqueeze(0))
+    return bool(all(torch.equal(everyone[0], row) for row in everyone))
+
+
+def train_through_unison(accumulation: int, optimizer_name: str) -> dict:
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=True)
+    n = accelerator.num_processes
+    step_size = MICRO_BATCH * n * accumulation
+    dataset = make_data(STEPS * step_size)
+    model = make_model()
+    optimizer = make_optimizer(optimizer_name, model)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+    loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+
+    optimizer_steps, grads_agree_inside_window, grads_agree_at_sync = 0, [], []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            agree = grads_agree_across_ranks(model)
+            (grads_agree_at_sync if accelerator.sync_gradients else grads_agree_inside_window).append(agree)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        optimizer_steps += accelerator.sync_gradients
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return {
+        "accumulation": accumulation,
+        "optimizer": optimizer_name,
+        "optimizer_steps": optimizer_steps,
+        "scheduler_last_epoch": scheduler.last_epoch,
+        "lr": scheduler.get_last_lr()[0],
+        "diff_vs_global_batch": max_diff(params, reference(dataset, optimizer_name, step_size, step_size)),
+        "diff_vs_accumulation": max_diff(params, reference(dataset, optimizer_name, step_size, MICRO_BATCH)),
+        "grads_agree_inside_window": grads_agree_inside_window,
+        "grads_agree_at_sync": grads_agree_at_sync,
+    }
+
+
+def sync_pattern_at_end_of_loader() -> list[bool]:
+    """Three rounds with accumulation 2: the third micro-step ends the loader and must sync."""
+    accelerator = Accelerator(gradient_accumulation_steps=2, cpu=True)
+    model = accelerator.prepare(make_model())
+    loader = accelerator.prepare(
+        DataLoader(make_data(3 * MICRO_BATCH * accelerator.num_processes), batch_size=MICRO_BATCH)
+    )
+    pattern = []
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            pattern.append(accelerator.sync_gradients)
+    return pattern
+
+
+def error_of(function) -> str | None:
+    try:
+        function()
+    except (ValueError, TypeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def bad_inputs() -> dict:
+    accelerator = Accelerator(cpu=True)
+    model = make_model()
+    accelerator.prepare(model)
+    return {
+        "accumulation_zero": error_of(lambda: Accelerator(gradient_accumulation_steps=0)),
+        "unknown_precision": error_of(lambda: Accelerator(mixed_precision="fp8")),
+        "conflicting_precision": error_of(lambda: Accelerator(mixed_precision="bf16")),
+        "unsupported_object": error_of(lambda: accelerator.prepare("not a model")),
+        "prepared_twice": error_of(lambda: accelerator.prepare(model)),
+    }
+
+
+def main() -> None:
+    out_dir = Path(sys.argv[1])
+    torch.set_num_threads(1)
+    runs = [train_through_unison(k, name) for k in (1, 2) for name in ("sgd", "adamw")]
+    accelerator = Accelerator(cpu=True)
+    result = {
+        "rank": accelerator.process_index,
+        "num_processes": accelerator.num_processes,
+        "runs": runs,
+        "end_of_loader_sync": sync_pattern_at_end_of_loader(),
+        "errors": bad_inputs(),
+    }
+    (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
