@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from unison import Accelerator, AcceleratorState, GradientState, PartialState
+from unison import Accelerator, AcceleratorState, GradientState, GradScalerKwargs, PartialState
 
 
 @pytest.fixture(autouse=True)
@@ -75,8 +75,11 @@ def test_bf16_training_follows_fp32_and_learns():
 
 
 def test_fp16_scales_the_loss_and_clip_unscales_before_measuring():
-    accelerator = Accelerator(mixed_precision="fp16", cpu=True)
-    assert accelerator.scaler is not None
+    # A moderate initial scale keeps the scaled fp16 gradients finite (65536 would overflow here).
+    accelerator = Accelerator(
+        mixed_precision="fp16", cpu=True, kwargs_handlers=[GradScalerKwargs(init_scale=1024)]
+    )
+    assert accelerator.scaler.get_scale() == 1024
     model = make_model()
     reference = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)

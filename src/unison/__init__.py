@@ -1,7 +1,58 @@
-"""unison: run one ordinary PyTorch training script on one CPU, one GPU, many GPUs or many machines."""
+"""unison: run one ordinary PyTorch training script on one CPU, one GPU, many GPUs or many machines.
 
+The public names follow Hugging Face Accelerate, so a script migrates by changing its import line.
+"""
+
+from .accelerator import Accelerator
+from .data import (
+    BatchSamplerShard,
+    DataLoaderDispatcher,
+    DataLoaderShard,
+    IterableDatasetShard,
+    prepare_data_loader,
+    skip_first_batches,
+)
+from .kwargs_handlers import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+from .notebook import notebook_launcher
+from .ops import (
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    send_to_device,
+)
+from .random import set_seed
 from .state import AcceleratorState, DistributedType, GradientState, PartialState
 
 __version__ = "0.1.0"
 
-__all__ = ["AcceleratorState", "DistributedType", "GradientState", "PartialState", "__version__"]
+__all__ = [
+    "Accelerator",
+    "AcceleratorState",
+    "BatchSamplerShard",
+    "DataLoaderDispatcher",
+    "DataLoaderShard",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "GradientState",
+    "InitProcessGroupKwargs",
+    "IterableDatasetShard",
+    "PartialState",
+    "__version__",
+    "broadcast",
+    "broadcast_object_list",
+    "concatenate",
+    "gather",
+    "gather_object",
+    "notebook_launcher",
+    "pad_across_processes",
+    "prepare_data_loader",
+    "reduce",
+    "send_to_device",
+    "set_seed",
+    "skip_first_batches",
+]

@@ -81,7 +81,9 @@ class Accelerator:
         self.even_batches = even_batches
         self.rng_types = rng_types
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
-        self.ddp_kwargs = handlers.get(DistributedDataParallelKwargs, DistributedDataParallelKwargs()).changed_kwargs()
+        self.ddp_kwargs = handlers.get(
+            DistributedDataParallelKwargs, DistributedDataParallelKwargs()
+        ).changed_kwargs()
         scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).changed_kwargs()
         self.precision = PrecisionPolicy(self.state.mixed_precision, self.device, scaler_kwargs)
         self.step = 0  # micro-steps since the last sync (Accelerate's meaning)
@@ -141,7 +143,9 @@ class Accelerator:
     def local_main_process_first(self) -> contextlib.AbstractContextManager:
         return self.state.local_main_process_first()
 
-    def split_between_processes(self, inputs: Any, apply_padding: bool = False) -> contextlib.AbstractContextManager:
+    def split_between_processes(
+        self, inputs: Any, apply_padding: bool = False
+    ) -> contextlib.AbstractContextManager:
         return self.state.split_between_processes(inputs, apply_padding=apply_padding)
 
     def on_main_process(self, function: Callable) -> Callable:
@@ -240,12 +244,16 @@ class Accelerator:
         """Wrap `scheduler` so it steps once per real optimizer step, whatever the process count."""
         self._check_preparable(scheduler)
         owners = [opt for opt in self._optimizers if opt.optimizer is getattr(scheduler, "optimizer", None)]
-        prepared = AcceleratedScheduler(scheduler, owners or self._optimizers, self.step_scheduler_with_optimizer)
+        prepared = AcceleratedScheduler(
+            scheduler, owners or self._optimizers, self.step_scheduler_with_optimizer
+        )
         self._remember(scheduler, prepared)
         self._schedulers.append(prepared)
         return prepared
 
-    def prepare_data_loader(self, data_loader: DataLoader, device_placement: bool | None = None) -> DataLoader:
+    def prepare_data_loader(
+        self, data_loader: DataLoader, device_placement: bool | None = None
+    ) -> DataLoader:
         """Re-create `data_loader` so each process reads its own shard, delivered on the device."""
         self._check_preparable(data_loader)
         if device_placement is None:
@@ -364,7 +372,9 @@ class Accelerator:
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
         return ops.broadcast(tensor, from_process=from_process)
 
-    def pad_across_processes(self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False) -> Any:
+    def pad_across_processes(
+        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
+    ) -> Any:
         return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
 
     def send_to_device(self, data: Any, non_blocking: bool = False) -> Any:

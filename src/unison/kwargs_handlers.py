@@ -16,7 +16,11 @@ class _KwargsHandler:
     def changed_kwargs(self) -> dict[str, Any]:
         """The options that differ from their defaults, ready to pass on to torch."""
         default = type(self)()
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) != getattr(default, f.name)}
+        return {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(default, f.name)
+        }
 
 
 @dataclass

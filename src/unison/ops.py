@@ -7,11 +7,12 @@ script behaves the same under `python` and under `unison launch`.
 
 Safety: a collective fed tensors of different shapes on different processes hangs or returns garbage.
 So `gather`, `reduce`, `broadcast` and `pad_across_processes` first run ONE tiny collective per call:
-every process hashes the description (path, dtype, shape) of all its leaves and the processes
-all_gather the 8-byte hashes. When they differ, every process gathers the full descriptions and raises
-the same ValueError naming each rank's shapes, and the process group stays usable. (Measured on
-gloo, 2 processes on 2 cores: ~0.5-0.7 ms for the hash all_gather against ~1.5-2 ms for
-all_gather_object of the shape tuples, which runs two collectives and pickles.)
+every process hashes the description (path, dtype, shape) of all its leaves and one all_reduce(MAX) of
+(hash, -hash) tells everyone whether all hashes are equal. When they differ, every process gathers the
+full descriptions and raises the same ValueError naming each rank's shapes, and the process group
+stays usable. Measured on gloo (2-core machine, medians): 0.7 ms with 2 processes and 1.0 ms with 3,
+against 2.1 / 4.9 ms for all_gather_object of the shapes (two collectives plus pickling) and
+0.7 / 2.3 ms for an all_gather of the hashes.
 
 Devices: NCCL can only communicate tensors on the process's own GPU, so under NCCL a tensor on
 another device (e.g. the CPU) is copied to `PartialState().device` for the collective. Results come
@@ -252,9 +253,8 @@ def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor, num_processes: 
 
 
 def _digest(description: list[Any]) -> int:
-    return int.from_bytes(
-        hashlib.blake2b(repr(description).encode(), digest_size=8).digest(), "little", signed=True
-    )
+    """A 62-bit hash (so that it and its negation fit in an int64), the same in every process."""
+    return int.from_bytes(hashlib.blake2b(repr(description).encode(), digest_size=8).digest(), "little") >> 2
 
 
 def _check_agreement(
@@ -263,17 +263,18 @@ def _check_agreement(
     """Raise the same ValueError on every process unless the leaves' descriptions (path, dtype, shape),
     or what `compare` keeps of them, agree on every process.
 
-    One all_gather of an 8-byte hash when all is well; on disagreement one more all_gather_object of the
-    descriptions, so the message can name each rank's shapes. Returns this process's description.
+    One all_reduce(MAX) of (hash, -hash) when all is well: the hashes agree iff max == min. On
+    disagreement one more all_gather_object of the descriptions, so the message can name each rank's
+    shapes. Returns this process's description.
     """
     description = _describe(data)
     if state.num_processes > 1:
         agreed = description if compare is None else [compare(leaf) for leaf in description]
-        mine = torch.tensor([_digest(agreed)], dtype=torch.int64)
-        mine = _comm(mine, state)
-        everyone = torch.empty(state.num_processes, dtype=torch.int64, device=mine.device)
-        _all_gather_into(everyone, mine, state.num_processes)
-        if len(set(everyone.tolist())) > 1:
+        digest = _digest(agreed)
+        extremes = _comm(torch.tensor([digest, -digest], dtype=torch.int64), state)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        highest, minus_lowest = extremes.tolist()
+        if highest != -minus_lowest:
             descriptions: list[Any] = [None] * state.num_processes
             dist.all_gather_object(descriptions, description)
             raise ValueError(_mismatch_message(op, descriptions))

@@ -106,7 +106,9 @@ class AcceleratedScheduler:
     micro-batches (Accelerate's step_scheduler_with_optimizer=False).
     """
 
-    def __init__(self, scheduler: Any, optimizers: list[AcceleratedOptimizer], step_with_optimizer: bool = True):
+    def __init__(
+        self, scheduler: Any, optimizers: list[AcceleratedOptimizer], step_with_optimizer: bool = True
+    ):
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.step_with_optimizer = step_with_optimizer

@@ -21,12 +21,16 @@ AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 class PrecisionPolicy:
     """The precision a run trains in, on one device type."""
 
-    def __init__(self, mixed_precision: str, device: torch.device, scaler_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self, mixed_precision: str, device: torch.device, scaler_kwargs: dict[str, Any] | None = None
+    ):
         self.mixed_precision = mixed_precision
         self.device_type = device.type
         self.dtype = AUTOCAST_DTYPES.get(mixed_precision)
         self.scaler = (
-            torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {})) if mixed_precision == "fp16" else None
+            torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {}))
+            if mixed_precision == "fp16"
+            else None
         )
 
     @property

@@ -8,6 +8,7 @@ plus what unison.ops.gather returned over all ranks. OUT_DIR/rank{r}.json holds 
 
 import itertools
 import json
+import random
 import sys
 from pathlib import Path
 
@@ -170,8 +171,21 @@ record["reference"] = reference_batches(list(range(SIZE)), BS)
 record["class"] = type(sharded).__name__
 out["iterable_shard"] = record
 
+uneven_dispatch = prepare_data_loader(DataLoader(Stream(), batch_size=BS), even_batches=False)
+out["dispatch_uneven"] = {
+    "batches": [b["x"].tolist() for b in uneven_dispatch],
+    "reference": reference_batches(list(range(SIZE)), BS, even=False),
+    "len": len(uneven_dispatch),
+}
+
+# -- rng_types: every process continues from process 0's generator states ------------------------------
+set_seed(100 + rank)
+synced = prepare_data_loader(DataLoader(Squares(), batch_size=BS), rng_types=["torch", "python"])
+next(iter(synced))
+out["rng_synced"] = {"torch": torch.rand(3).tolist(), "python": random.random()}
+
 # -- a failure while process 0 reads reaches every process -------------------------------------------
-failing = prepare_data_loader(DataLoader(Stream(fail_at=BS * world + 1), batch_size=BS))
+failing = prepare_data_loader(DataLoader(Stream(size=100, fail_at=2 * BS * world + 1), batch_size=BS))
 seen = 0
 try:
     for _ in failing:

@@ -37,6 +37,10 @@ def make_optimizer(name: str, model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+
+
 def make_data(num_samples: int) -> TensorDataset:
     generator = torch.Generator().manual_seed(99)
     x = torch.randn(num_samples, FEATURES, generator=generator)
@@ -50,6 +54,7 @@ def reference(
     """One process: each optimizer step sees `step_size` consecutive samples in micro-batches."""
     model = make_model()
     optimizer = make_optimizer(optimizer_name, model)
+    scheduler = make_scheduler(optimizer)
     x, y = dataset.tensors
     accumulation = step_size // micro_batch
     for step in range(STEPS):
@@ -60,6 +65,7 @@ def reference(
             )
             (loss / accumulation).backward()
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
     return [p.detach().clone() for p in model.parameters()]
 
@@ -81,7 +87,7 @@ def train_through_unison(accumulation: int, optimizer_name: str) -> dict:
     dataset = make_data(STEPS * step_size)
     model = make_model()
     optimizer = make_optimizer(optimizer_name, model)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.9**step)
+    scheduler = make_scheduler(optimizer)
     loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=False)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
 

@@ -1,19 +1,20 @@
 """DataLoaderDispatcher: process 0 reads the data, every process gets its piece of each step.
 
 For data that cannot be sharded by index (an IterableDataset, a stream) every process reading the
-whole stream would multiply the I/O by the number of processes. Instead process 0 alone iterates the
-user's loader, groups its batches into rounds with the same arithmetic as BatchSamplerShard
-(`iter_rounds`: batch i goes to process i % n, or with split_batches each batch is cut into n
-slices; the final round topped up from the start with even_batches) and scatters each process its
-piece. A scatter sends every process only its own piece, with the batch structure (any nested
-lists/dicts, strings included) in the same message.
+whole stream would multiply the I/O by the number of processes. Instead process 0 alone iterates
+the data (with the loader's workers), groups the samples into rounds with the same arithmetic as
+BatchSamplerShard (`iter_rounds`: batch i goes to process i % n, or with split_batches each batch is
+cut into n slices; the final round topped up from the start with even_batches), collates each
+process's piece with the loader's collate_fn and scatters it. Working on samples rather than on
+collated batches means nothing is ever sliced or concatenated, so batches may hold any structure
+(strings, per-piece padding, ...); the price is that collation runs in process 0's main process.
+A scatter sends every process only its own piece, structure and data in one message.
 """
 
 from __future__ import annotations
 
-import bisect
 import math
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,67 +23,13 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .. import ops
 from ..state import PartialState
-from .loader import LoaderProgress, PreparedDataLoader
+from .loader import LoaderProgress, PreparedDataLoader, carried_settings
 from .sharding import check_split, iter_rounds, rounds_for_process
 
 
-class _RowStore:
-    """Process 0's batches, addressed by the running row numbers that iter_rounds deals out.
-
-    It keeps the batches of the current round and of the first round (whose rows top up the final
-    round), and turns a piece (a sequence of row numbers) back into a batch: the batch itself when
-    the piece is one whole batch, else tensor slices concatenated.
-    """
-
-    def __init__(self) -> None:
-        self.starts: list[int] = []
-        self.batches: dict[int, Any] = {}
-        self.sizes: dict[int, int] = {}
-        self.first_round: set[int] | None = None
-
-    def read(self, batches: Iterable[Any]) -> Iterator[range]:
-        next_row = 0
-        for batch in batches:
-            size = ops.find_batch_size(batch)
-            self.starts.append(next_row)
-            self.batches[next_row] = batch
-            self.sizes[next_row] = size
-            yield range(next_row, next_row + size)
-            next_row += size
-
-    def end_round(self) -> None:
-        if self.first_round is None:
-            self.first_round = set(self.starts)
-            return
-        for start in self.starts:
-            if start not in self.first_round:
-                del self.batches[start], self.sizes[start]
-        self.starts = sorted(self.first_round)
-
-    def rows(self, rows: Sequence[int]) -> Any:
-        runs: list[list[int]] = []  # [batch start, first row, end row) within that batch
-        for row in rows:
-            last = runs[-1] if runs else None
-            if last and row == last[0] + last[2] and last[2] < self.sizes[last[0]]:
-                last[2] += 1
-            else:
-                start = self.starts[bisect.bisect_right(self.starts, row) - 1]
-                runs.append([start, row - start, row - start + 1])
-        parts = [self._part(*run) for run in runs]
-        return parts[0] if len(parts) == 1 else ops.concatenate(parts)
-
-    def _part(self, start: int, begin: int, end: int) -> Any:
-        batch = self.batches[start]
-        if (begin, end) == (0, self.sizes[start]):
-            return batch
-        try:
-            return ops.recursively_apply(lambda tensor: tensor[begin:end], batch, error_on_other_type=True)
-        except TypeError as error:
-            raise TypeError(
-                "DataLoaderDispatcher has to cut a batch into slices here (split_batches, or topping up "
-                f"the final round), which works for tensors only ({error}). Collate the batch into "
-                "tensors, or prepare the loader with dispatch_batches=False."
-            ) from error
+def _as_read(batch: Any) -> Any:
+    """collate_fn of process 0's reader: keep the samples, each piece is collated once assembled."""
+    return batch
 
 
 def _scatter_from_main(messages: list[Any] | None) -> Any:
@@ -138,6 +85,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
         if split_batches:
             check_split(self.source_batch_size, self.num_processes)
         self._last_real_samples = -1
+        self._reader_loader: DataLoader | None = None
 
     def _process_batch_size(self) -> int | None:
         if self.source_batch_size is None or not self.split_batches:
@@ -166,7 +114,8 @@ class DataLoaderDispatcher(PreparedDataLoader):
             source_batches = len(self._index_sampler)
         elif samples is None:
             raise TypeError(
-                f"len() of a DataLoaderDispatcher needs len() of its dataset, a {type(self.dataset).__name__}"
+                f"len() of this DataLoaderDispatcher is unknown: its {type(self.dataset).__name__} has no "
+                "__len__. Iterate without asking for len(), or give the dataset a __len__."
             )
         elif self.source_batch_size is None:
             source_batches = samples
@@ -188,11 +137,25 @@ class DataLoaderDispatcher(PreparedDataLoader):
             self._drop_last,
         )
 
+    def _reader(self) -> DataLoader:
+        """Process 0's loader of raw samples: this loader's sampling and workers, collation deferred."""
+        if self._reader_loader is None:
+            settings = {**carried_settings(self), "collate_fn": _as_read, "pin_memory": False}
+            if isinstance(self.dataset, IterableDataset):
+                batching = {"batch_size": self._loader_batch_size, "drop_last": self.drop_last}
+            elif self._auto_collation:
+                batching = {"batch_sampler": self.batch_sampler}
+            else:
+                batching = {"sampler": self.sampler, "batch_size": None}
+            self._reader_loader = DataLoader(self.dataset, **batching, **settings)
+        return self._reader_loader
+
     def _rounds(self) -> Iterator[tuple[list[Any], int]]:
-        """Process 0: each step's pieces (one per process, None for nothing) and its real sample count."""
-        store = _RowStore()
+        """Process 0: each step's collated pieces (one per process, None for nothing) and real rows."""
+        reader = self._reader()
+        units = reader if self._auto_collation else ([item] for item in reader)
         rounds = iter_rounds(
-            store.read(DataLoader.__iter__(self)),
+            units,
             self.source_batch_size,
             self.num_processes,
             self.split_batches,
@@ -200,11 +163,13 @@ class DataLoaderDispatcher(PreparedDataLoader):
             self._drop_last,
         )
         for round_ in rounds:
-            yield (
-                [None if piece is None else store.rows(piece) for piece in round_.pieces],
-                round_.real_samples,
-            )
-            store.end_round()
+            if self._auto_collation:
+                pieces = [None if piece is None else self.collate_fn(list(piece)) for piece in round_.pieces]
+                yield pieces, round_.real_samples
+            else:  # each item is a ready-made batch: count the rows of the real ones
+                pieces = [None if piece is None else self.collate_fn(piece[0]) for piece in round_.pieces]
+                real = round_.real_samples
+                yield pieces, -1 if real < 0 else sum(ops.find_batch_size(piece) for piece in pieces[:real])
 
     def _batches(self, skip: int) -> Iterator[Any]:
         self._last_real_samples = -1
@@ -237,8 +202,9 @@ class DataLoaderDispatcher(PreparedDataLoader):
             if message.get("done"):
                 return
             self._last_real_samples = message["real_samples"]
-            if message["piece"] is not None:
-                yield message["piece"]
+            piece = message["piece"]
+            if piece is not None:
+                yield ops.recursively_apply(torch.Tensor.pin_memory, piece) if self.pin_memory else piece
 
     def _final_remainder(self) -> int:
         return self._last_real_samples

@@ -11,6 +11,7 @@ never calls set_epoch still gets a new order every epoch.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -25,6 +26,29 @@ from .randomness import check_rng_types, synchronize_rng_states
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard
 
 _END = object()
+
+# DataLoader settings a re-created loader carries over unchanged (those this torch version has)
+CARRIED_SETTINGS = [
+    name
+    for name in (
+        "num_workers",
+        "collate_fn",
+        "pin_memory",
+        "timeout",
+        "worker_init_fn",
+        "multiprocessing_context",
+        "generator",
+        "prefetch_factor",
+        "persistent_workers",
+        "pin_memory_device",
+        "in_order",
+    )
+    if name in inspect.signature(DataLoader.__init__).parameters
+]
+
+
+def carried_settings(dataloader: DataLoader) -> dict[str, Any]:
+    return {name: getattr(dataloader, name) for name in CARRIED_SETTINGS if hasattr(dataloader, name)}
 
 
 @dataclass

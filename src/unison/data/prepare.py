@@ -9,7 +9,6 @@ shuffle alike and every epoch differently.
 
 from __future__ import annotations
 
-import inspect
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -19,34 +18,11 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
-from .loader import DataLoaderShard, PreparedDataLoader
+from .loader import DataLoaderShard, PreparedDataLoader, carried_settings
 from .randomness import check_rng_types, with_seedable_sampler
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler, check_split
 
 logger = logging.getLogger("unison")
-
-# DataLoader settings carried over unchanged (those this torch version has)
-_CARRIED = [
-    name
-    for name in (
-        "num_workers",
-        "collate_fn",
-        "pin_memory",
-        "timeout",
-        "worker_init_fn",
-        "multiprocessing_context",
-        "generator",
-        "prefetch_factor",
-        "persistent_workers",
-        "pin_memory_device",
-        "in_order",
-    )
-    if name in inspect.signature(DataLoader.__init__).parameters
-]
-
-
-def _carried_settings(dataloader: DataLoader) -> dict[str, Any]:
-    return {name: getattr(dataloader, name) for name in _CARRIED if hasattr(dataloader, name)}
 
 
 def prepare_data_loader(
@@ -91,7 +67,7 @@ def prepare_data_loader(
     if dispatch_batches is None:
         dispatch_batches = iterable and num_processes > 1
     common: dict[str, Any] = {
-        **_carried_settings(dataloader),
+        **carried_settings(dataloader),
         "device": device if put_on_device else None,
         "non_blocking": non_blocking and on_cuda,
         "rng_types": check_rng_types(rng_types),
@@ -172,7 +148,7 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
             "skip_first_batches on a plain DataLoader over an IterableDataset cannot skip without reading: "
             "prepare the loader first (prepare_data_loader / Accelerator.prepare) and skip on the result."
         )
-    settings = _carried_settings(dataloader)
+    settings = carried_settings(dataloader)
     if dataloader._auto_collation:
         return DataLoader(
             dataloader.dataset,

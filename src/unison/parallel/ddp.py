@@ -9,7 +9,9 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 
-def wrap_ddp(model: torch.nn.Module, device: torch.device, ddp_kwargs: dict[str, Any]) -> DistributedDataParallel:
+def wrap_ddp(
+    model: torch.nn.Module, device: torch.device, ddp_kwargs: dict[str, Any]
+) -> DistributedDataParallel:
     """Wrap `model` (already on `device`) in DDP; parameters are broadcast from process 0 here."""
     device_ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
