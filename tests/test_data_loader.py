@@ -177,7 +177,7 @@ def test_loaders_without_automatic_batching_are_sharded_too():
         prepare_data_loader(batch_sampler, num_processes=3, process_index=p, split_batches=True)
         for p in range(3)
     ]
-    assert [[b.tolist() for b in pl] for pl in split] == [[[0], [3], [6]], [[1], [4], [0]], [[2], [5], [1]]]
+    assert [[b[:, 0].tolist() for b in pl] for pl in split] == [[[0], [3], [6]], [[1], [4], [0]], [[2], [5], [1]]]
     assert split[0].batch_size == 1 and split[0].total_batch_size == 3
 
 

@@ -40,7 +40,7 @@ def _validate_accumulation_steps(value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
             f"gradient_accumulation_steps={value!r} is not allowed: it is the number of micro-batches per "
-            "optimizer step, a whole number >= 1. Pass e.g. gradient_accumulation_steps=4 (1 = no accumulation)."
+            "optimizer step, a whole number >= 1. Pass e.g. gradient_accumulation_steps=4 (1: none)."
         )
     return value
 
@@ -283,7 +283,7 @@ class Accelerator:
     # -- the training step ------------------------------------------------------------------------
     @property
     def sync_gradients(self) -> bool:
-        """True on the micro-step that ends an accumulation window (gradients all-reduced, optimizer steps)."""
+        """True on the micro-step that ends an accumulation window: gradients all-reduced, optimizer steps."""
         return self.gradient_state.sync_gradients
 
     @property
@@ -334,7 +334,7 @@ class Accelerator:
             optimizer.unscale_gradients()
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients' total norm (already all-reduced on sync steps); returns the norm before clipping."""
+        """Clip the gradients' total norm (all-reduced on sync steps); returns the norm before clipping."""
         self.unscale_gradients()
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
 

@@ -66,7 +66,7 @@ def sort_kwargs_handlers(handlers: list | tuple | None) -> dict[type, _KwargsHan
             raise TypeError(f"kwargs_handlers got a {type(handler).__name__}; unison accepts {names}.")
         if type(handler) in by_type:
             raise ValueError(
-                f"kwargs_handlers holds two {type(handler).__name__} objects: pass one, with every option set on it."
+                f"kwargs_handlers holds two {type(handler).__name__} objects: pass one with every option set."
             )
         by_type[type(handler)] = handler
     return by_type

@@ -1,4 +1,4 @@
-"""Data parallelism with torch's DistributedDataParallel: one bucketed all-reduce, overlapped with backward."""
+"""Data parallelism with torch's DistributedDataParallel: bucketed all-reduce overlapped with backward."""
 
 from __future__ import annotations
 
