@@ -60,6 +60,12 @@ def test_last_batch_of_loader_always_syncs(results):
         assert rank_result["end_of_loader_sync"] == [False, True, True]
 
 
+def test_gather_for_metrics_returns_exactly_the_dataset(results):
+    for rank_result in results:
+        assert rank_result["gather_for_metrics"]["tensor_rows_equal_dataset"]
+        assert rank_result["gather_for_metrics"]["object_rows"] == list(range(0, 26, 2))
+
+
 def test_bad_input_raises_on_every_rank(results):
     for rank_result in results:
         errors = rank_result["errors"]

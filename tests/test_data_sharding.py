@@ -46,7 +46,7 @@ def reference(size, batch_size, n, split, even, drop_last):
     if drop_last:  # the batch sampler drops its short batch; an incomplete round is dropped too
         stream = stream[: size // global_batch * global_batch]
     remainder = -1
-    if even and not drop_last and size % global_batch:
+    if even and n > 1 and not drop_last and size % global_batch:
         remainder = size % global_batch
         stream = cyclic_padding(stream, stream[:global_batch], math.ceil(size / global_batch) * global_batch)
     shards = [[] for _ in range(n)]
@@ -102,10 +102,10 @@ def test_batch_sampler_shard_table(case):
         assert all(len(batch) == per_process for shard in shards for batch in shard)
     else:
         assert set(flat) == set(range(size)), "every index appears"
-    if even or drop_last:
+    if (even and n > 1) or drop_last:
         assert len({len(shard) for shard in shards}) == 1, "every process gets the same number of batches"
         assert all(len(batch) == per_process for shard in shards for batch in shard), "full batches"
-    if not even and not drop_last:
+    if (not even or n == 1) and not drop_last:
         assert sorted(flat) == list(range(size)), "exactly once without even_batches"
     if size % capacity == 0:
         assert sorted(flat) == list(range(size)), "disjoint when no padding is needed"

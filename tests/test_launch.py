@@ -253,6 +253,7 @@ def test_notebook_launcher():
             "sum": 30.0,  # (1 + 2) * 10
             "mixed_precision": "bf16",
             "distributed_type": "MULTI_CPU",
+            "device": "cpu",
         }
         assert f"[rank{rank}]: worker {rank} of 2" in result.stdout.splitlines()
     assert report["failure"].startswith("notebook_launcher: rank 1 failed first:")

@@ -276,5 +276,9 @@ def test_collectives_across_three_processes(tmp_path):
     assert "rank 1: [a], rank 2: [a, b]" in errors["reduce_structure"]
     assert "rank 0: (2,), rank 1: (2, 2), rank 2: (2, 2, 2)" in errors["pad_ndim"]
     assert "rank 1: {0: float}" in errors["gather_one_rank_not_tensor"]
+    assert (
+        "different collectives at the same time: rank 0: gather, rank 1: reduce, rank 2: reduce"
+        in (errors["different_ops"])
+    )
     assert "gather_object" in errors["gather_not_tensor"]
     assert "median" in errors["reduce_unknown"] and "from_process=3" in errors["broadcast_from_out_of_range"]

@@ -36,7 +36,7 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="text file or folder of text files (default: this Python's stdlib source)",
     )
-    arg("--max-steps", type=int, default=400, help="optimizer steps to train for")
+    arg("--max-steps", type=int, default=300, help="optimizer steps to train for")
     arg("--batch-size", type=int, default=32, help="sequences per micro-batch, per process")
     arg("--block-size", type=int, default=64, help="context length in characters")
     arg("--n-layer", type=int, default=4)
@@ -45,7 +45,7 @@ def parse_args() -> argparse.Namespace:
     arg("--dropout", type=float, default=0.0)
     arg("--lr", type=float, default=3e-3, help="peak learning rate")
     arg("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr * this")
-    arg("--warmup-steps", type=int, default=40)
+    arg("--warmup-steps", type=int, default=30)
     arg("--weight-decay", type=float, default=0.1)
     arg(
         "--grad-accum",
@@ -173,7 +173,7 @@ def main() -> None:
                 continue
 
             step += 1
-            if step % args.log_interval == 0 or step == args.max_steps:
+            if step == 1 or step % args.log_interval == 0 or step == args.max_steps:
                 # the mean loss of this process's micro-steps since the last line, then of all processes
                 train_loss = accelerator.reduce(loss_sum / micro_steps, "mean").item()
                 seconds = time.perf_counter() - last_log

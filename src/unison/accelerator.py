@@ -366,7 +366,8 @@ class Accelerator:
     def gather_object(self, obj: Any) -> list[Any]:
         return ops.gather_object(obj)
 
-    def reduce(self, tensor: Any, reduction: str = "mean", scale: float = 1.0) -> Any:
+    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
+        """Reduce across processes ("sum" by default, as Accelerate's Accelerator.reduce)."""
         return ops.reduce(tensor, reduction=reduction, scale=scale)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
@@ -386,6 +387,8 @@ class Accelerator:
 
 
 def _all_leaves_are_tensors(data: Any) -> bool:
-    leaves: list[Any] = []
-    ops.recursively_apply(lambda t: leaves.append(t) or t, data, test_type=lambda _: True)
-    return all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    try:
+        ops.recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
+    except TypeError:
+        return False
+    return True

@@ -24,7 +24,6 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from . import launch_env
 from .launcher import (
     RANK_PREFIX_TEMPLATE,
     exported,
@@ -45,6 +44,7 @@ def notebook_launcher(
     node_rank: int = 0,
     num_nodes: int = 1,
     max_restarts: int = 0,
+    cpu: bool = False,
 ) -> dict[int, Any]:
     """Run `function(*args)` in `num_processes` processes on this node; return {rank: its return value}.
 
@@ -53,7 +53,8 @@ def notebook_launcher(
     mixed_precision: the default for `Accelerator()` inside the function (exported as
     UNISON_MIXED_PRECISION). use_port: the rendezvous port on `master_addr`; None picks a free one
     (single node). Several machines: the same call on each with num_nodes, node_rank, master_addr and
-    use_port set. Raises RuntimeError naming the rank that failed first and showing its traceback.
+    use_port set. cpu: run every process on the CPU even if GPUs are present (exported as UNISON_CPU).
+    Raises RuntimeError naming the rank that failed first and showing its traceback.
     """
     mixed_precision = validate_mixed_precision(mixed_precision)
     if PartialState._shared_state or AcceleratorState._shared_state:
@@ -62,13 +63,19 @@ def notebook_launcher(
             "workers would inherit it instead of forming their group. Create the Accelerator inside "
             "the function you launch, and restart the notebook kernel to clear the existing one."
         )
-    nproc = resolve_nproc_per_node("auto" if num_processes is None else num_processes, cpu=False)
-    env = {launch_env.MIXED_PRECISION: mixed_precision}
+    if num_nodes > 1 and (use_port is None or not 0 <= node_rank < num_nodes):
+        raise ValueError(
+            f"num_nodes={num_nodes} with node_rank={node_rank} and use_port={use_port}: on several "
+            "machines every call needs the same master_addr and use_port (node 0's address and a free "
+            "port there) and its own node_rank in [0, num_nodes)."
+        )
+    nproc = resolve_nproc_per_node("auto" if num_processes is None else num_processes, cpu=cpu)
+    env = worker_environment(nproc, cpu=cpu, mixed_precision=mixed_precision)
     if nproc == 1 and num_nodes == 1:
         with exported(env):
             return {0: function(*args)}
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    if start_method == "fork" and torch.cuda.is_available() and torch.cuda.is_initialized():
+    if start_method == "fork" and not cpu and torch.cuda.is_initialized():
         raise RuntimeError(
             "CUDA was already initialised in this notebook, and forked workers cannot use it. Restart "
             "the kernel and keep every CUDA call (model.cuda(), torch.cuda.* ...) inside the function."
@@ -89,7 +96,7 @@ def notebook_launcher(
             logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
             log_line_prefix_template=RANK_PREFIX_TEMPLATE,
         )
-        with exported({**worker_environment(nproc), **env}):
+        with exported(env):
             try:
                 return elastic_launch(config, _run_in_worker)(function, *args)
             except ChildFailedError as error:

@@ -263,6 +263,7 @@ def _check_agreement(
     """Raise the same ValueError on every process unless the leaves' descriptions (path, dtype, shape),
     or what `compare` keeps of them, agree on every process.
 
+    The hash also covers `op`, so processes calling different collectives are caught too.
     One all_reduce(MAX) of (hash, -hash) when all is well: the hashes agree iff max == min. On
     disagreement one more all_gather_object of the descriptions, so the message can name each rank's
     shapes. Returns this process's description.
@@ -270,14 +271,14 @@ def _check_agreement(
     description = _describe(data)
     if state.num_processes > 1:
         agreed = description if compare is None else [compare(leaf) for leaf in description]
-        digest = _digest(agreed)
+        digest = _digest([op, agreed])
         extremes = _comm(torch.tensor([digest, -digest], dtype=torch.int64), state)
         dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
         highest, minus_lowest = extremes.tolist()
         if highest != -minus_lowest:
-            descriptions: list[Any] = [None] * state.num_processes
-            dist.all_gather_object(descriptions, description)
-            raise ValueError(_mismatch_message(op, descriptions))
+            calls: list[Any] = [None] * state.num_processes
+            dist.all_gather_object(calls, (op, description))
+            raise ValueError(_mismatch_message(calls))
     for path, kind, shape in description:
         if shape is None:
             raise TypeError(
@@ -302,8 +303,16 @@ def _per_rank(descriptions: list[list[_Leaf]], indices: list[int], show_shape: b
     return ", ".join(f"rank {r}: {one_rank([d[i] for i in indices])}" for r, d in enumerate(descriptions))
 
 
-def _mismatch_message(op: str, descriptions: list[list[_Leaf]]) -> str:
-    """The error every process raises: what differs (structure, else shapes, else dtypes), per rank."""
+def _mismatch_message(calls: list[tuple[str, list[_Leaf]]]) -> str:
+    """The error every process raises: what differs (operation, structure, shapes, dtypes), per rank."""
+    ops = [op for op, _ in calls]
+    if len(set(ops)) > 1:
+        listing = ", ".join(f"rank {r}: {op}" for r, op in enumerate(ops))
+        return (
+            f"processes called different collectives at the same time: {listing}. Every process must call "
+            "the same collectives in the same order (check for collectives inside rank-dependent branches)."
+        )
+    op, descriptions = ops[0], [description for _, description in calls]
     paths = [[leaf.path for leaf in d] for d in descriptions]
     if any(p != paths[0] for p in paths):
         shown = [", ".join(path or "<top level>" for path in p) for p in paths]

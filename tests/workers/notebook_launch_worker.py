@@ -24,6 +24,7 @@ def train(scale):
         "sum": total.item(),
         "mixed_precision": state.mixed_precision,
         "distributed_type": state.distributed_type.value,
+        "device": str(state.device),
     }
 
 
@@ -34,16 +35,16 @@ def fail_on_rank_1():
     dist.barrier()
 
 
-report = {"results": notebook_launcher(train, (10,), num_processes=2, mixed_precision="bf16")}
+report = {"results": notebook_launcher(train, (10,), num_processes=2, mixed_precision="bf16", cpu=True)}
 start = time.monotonic()
 try:
-    notebook_launcher(fail_on_rank_1, num_processes=2)
+    notebook_launcher(fail_on_rank_1, num_processes=2, cpu=True)
 except RuntimeError as error:
     report["failure"] = str(error)
 report["failure_seconds"] = time.monotonic() - start
 PartialState(cpu=True)  # a state in the launching process must be refused
 try:
-    notebook_launcher(train, (1,), num_processes=2)
+    notebook_launcher(train, (1,), num_processes=2, cpu=True)
 except RuntimeError as error:
     report["existing_state"] = str(error)
 print("REPORT " + json.dumps(report))

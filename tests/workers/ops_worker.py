@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from torch.testing import assert_close
 
-from unison import PartialState
+from unison import PartialState, ops
 from unison.ops import (
     broadcast,
     broadcast_object_list,
@@ -86,6 +86,9 @@ noncontiguous = (torch.arange(6.0).reshape(2, 3) + rank).t()
 assert_close(
     gather(noncontiguous), torch.cat([(torch.arange(6.0).reshape(2, 3) + r).t() for r in range(world)])
 )
+ops._gather_into_tensor_works = False  # the all_gather fallback for backends without gather-into-tensor
+assert all(torch.equal(a, b) for a, b in zip(leaves(gather(mine)).values(), got.values()))
+ops._gather_into_tensor_works = True
 passed.append("gather")
 
 # -- gather_object ------------------------------------------------------------------------------------
@@ -192,6 +195,7 @@ expect_error(
     lambda: reduce({"a": torch.zeros(2), **({"b": torch.zeros(2)} if rank == 2 else {})}),
 )
 expect_error("pad_ndim", ValueError, lambda: pad_across_processes(torch.zeros([2] * (rank + 1))))
+expect_error("different_ops", ValueError, lambda: (gather if rank == 0 else reduce)(torch.zeros(2)))
 expect_error("gather_one_rank_not_tensor", ValueError, lambda: gather([1.5 if rank == 1 else torch.zeros(2)]))
 expect_error("gather_not_tensor", TypeError, lambda: gather({"loss": torch.zeros(1), "name": "x"}))
 expect_error("reduce_unknown", ValueError, lambda: reduce(torch.zeros(1), "median"))

@@ -131,6 +131,21 @@ def sync_pattern_at_end_of_loader() -> list[bool]:
     return pattern
 
 
+def gather_for_metrics_rows() -> dict:
+    """Evaluation over 13 samples: the gathered rows must be exactly the dataset, in order, once."""
+    accelerator = Accelerator(cpu=True)
+    dataset = TensorDataset(torch.arange(13 * 2, dtype=torch.float32).reshape(13, 2))
+    loader = accelerator.prepare(DataLoader(dataset, batch_size=2))
+    tensors, objects = [], []
+    for (x,) in loader:
+        tensors.append(accelerator.gather_for_metrics(x))
+        objects.extend(accelerator.gather_for_metrics(x[:, 0].int().tolist()))
+    return {
+        "tensor_rows_equal_dataset": torch.equal(torch.cat(tensors), dataset.tensors[0]),
+        "object_rows": objects,
+    }
+
+
 def error_of(function) -> str | None:
     try:
         function()
@@ -162,6 +177,7 @@ def main() -> None:
         "num_processes": accelerator.num_processes,
         "runs": runs,
         "end_of_loader_sync": sync_pattern_at_end_of_loader(),
+        "gather_for_metrics": gather_for_metrics_rows(),
         "errors": bad_inputs(),
     }
     (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))

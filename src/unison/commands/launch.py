@@ -6,6 +6,7 @@ import argparse
 
 from .. import launch_env
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
+from ..state import DEFAULT_TIMEOUT_SECONDS
 
 DESCRIPTION = """\
 Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
@@ -14,14 +15,19 @@ prefixed with its rank ("[rank1]: ..."). The exit code is non-zero when any work
 failing rank's traceback is shown.
 """
 
-EPILOG = f"""\
-environment variables exported to the workers (Accelerator() defaults; arguments in code win):
-  {launch_env.CPU}=1                      --cpu
-  {launch_env.MIXED_PRECISION}=no|bf16|fp16   --mixed-precision
-  {launch_env.GRADIENT_ACCUMULATION_STEPS}=K  --gradient-accumulation-steps
-  {launch_env.TIMEOUT}=SECONDS            --timeout
-  OMP_NUM_THREADS                       usable cores / NPROC, unless already set
-  the workers also get torch's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
+_VARIABLES = [
+    (f"{launch_env.CPU}=1", "--cpu"),
+    (f"{launch_env.MIXED_PRECISION}=no|bf16|fp16", "--mixed-precision"),
+    (f"{launch_env.GRADIENT_ACCUMULATION_STEPS}=K", "--gradient-accumulation-steps"),
+    (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
+    ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
+]
+
+EPILOG = (
+    "environment variables exported to the workers (Accelerator() defaults; arguments in code win):\n"
+    + "".join(f"  {name:<42}{source}\n" for name, source in _VARIABLES)
+    + """\
+  The workers also get torch's RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT.
 
 one node:
   unison launch --nproc-per-node 2 train.py --lr 1e-3
@@ -37,6 +43,7 @@ several nodes, c10d rendezvous (ranks follow the order nodes join; --node-rank i
   gloo (CPU) binds the address the host name resolves to, often 127.0.0.1: across machines export
   GLOO_SOCKET_IFNAME=<interface, e.g. eth0> on every node (NCCL: NCCL_SOCKET_IFNAME).
 """
+)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -99,7 +106,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="micro-batches per optimizer step",
     )
     training.add_argument(
-        "--timeout", type=float, default=None, metavar="S", help="collective timeout in seconds (default 600)"
+        "--timeout",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_SECONDS:g})",
     )
     parser.add_argument("script", help="the Python script to run in every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")

@@ -52,11 +52,11 @@ class DataLoaderDispatcher(PreparedDataLoader):
     def __init__(
         self,
         dataset: Any,
-        device: torch.device | str | None = None,
         split_batches: bool = False,
+        skip_batches: int = 0,
+        device: torch.device | str | None = None,
         even_batches: bool = True,
         rng_types: Sequence[str] | None = None,
-        skip_batches: int = 0,
         non_blocking: bool = False,
         progress: LoaderProgress | None = None,
         **kwargs: Any,

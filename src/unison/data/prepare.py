@@ -20,7 +20,14 @@ from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
 from .loader import DataLoaderShard, PreparedDataLoader, carried_settings
 from .randomness import check_rng_types, with_seedable_sampler
-from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler, check_split
+from .sharding import (
+    BatchSamplerShard,
+    IterableDatasetShard,
+    SamplerShard,
+    SkipBatchSampler,
+    check_process_index,
+    check_split,
+)
 
 logger = logging.getLogger("unison")
 
@@ -61,6 +68,7 @@ def prepare_data_loader(
     state = PartialState()
     num_processes = state.num_processes if num_processes is None else num_processes
     process_index = state.process_index if process_index is None else process_index
+    check_process_index(num_processes, process_index)
     device = state.device if device is None else torch.device(device)
     on_cuda = device.type == "cuda"
     iterable = isinstance(dataloader.dataset, IterableDataset)
@@ -78,6 +86,13 @@ def prepare_data_loader(
     batching = _batching(dataloader, data_seed)
 
     if dispatch_batches:
+        if (num_processes, process_index) != (state.num_processes, state.process_index):
+            raise ValueError(
+                f"dispatch_batches=True sends batches through the real process group ({state.num_processes} "
+                f"processes, this one {state.process_index}), but num_processes={num_processes} and "
+                f"process_index={process_index} were asked for. Leave them unset, or pass "
+                "dispatch_batches=False."
+            )
         return DataLoaderDispatcher(
             dataset, split_batches=split_batches, even_batches=even_batches, **batching, **common
         )

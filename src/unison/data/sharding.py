@@ -69,9 +69,11 @@ def iter_rounds(
 
     batch_size None means batches of unknown size (a custom batch sampler): every batch counts as
     full, and with even_batches a short final round is topped up with whole batches from the start.
-    An incomplete final round is dropped when drop_last is set.
+    An incomplete final round is dropped when drop_last is set. A single process never gets
+    duplicates: it has nobody to keep in step with.
     """
     batches_per_round = 1 if split_batches else num_processes
+    even_batches = even_batches and num_processes > 1  # one process has nobody to be even with
     first_round: list[Sequence[Any]] | None = None
     pending: list[Sequence[Any]] = []
     for batch in batches:
@@ -157,7 +159,7 @@ def rounds_for_process(
     return rounds + int(process_index < leftover)
 
 
-def _check_process_index(num_processes: int, process_index: int) -> None:
+def check_process_index(num_processes: int, process_index: int) -> None:
     if num_processes < 1 or not 0 <= process_index < num_processes:
         raise ValueError(
             f"process_index={process_index} with num_processes={num_processes} is impossible: the index "
@@ -183,7 +185,7 @@ class BatchSamplerShard(Sampler[list[int]]):
         split_batches: bool = False,
         even_batches: bool = True,
     ):
-        _check_process_index(num_processes, process_index)
+        check_process_index(num_processes, process_index)
         self.batch_sampler = batch_sampler
         self.num_processes = num_processes
         self.process_index = process_index
@@ -329,7 +331,7 @@ class IterableDatasetShard(IterableDataset):
         process_index: int = 0,
         split_batches: bool = False,
     ):
-        _check_process_index(num_processes, process_index)
+        check_process_index(num_processes, process_index)
         if split_batches:
             check_split(batch_size, num_processes)
         self.dataset = dataset
@@ -361,13 +363,15 @@ class IterableDatasetShard(IterableDataset):
             real = len(self.dataset) % self.total_batch_size
         except TypeError:
             return -1
-        return -1 if real == 0 or self.drop_last else real
+        return -1 if real == 0 or self.drop_last or self.num_processes == 1 else real
 
     def __len__(self) -> int:
         rounds, leftover = divmod(len(self.dataset), self.total_batch_size)
-        if leftover and not self.drop_last:
-            rounds += 1
-        return rounds * self.process_batch_size
+        if self.drop_last or not leftover:
+            return rounds * self.process_batch_size
+        if self.num_processes == 1:  # nothing topped up, see iter_rounds
+            return rounds * self.process_batch_size + leftover
+        return (rounds + 1) * self.process_batch_size
 
     def __iter__(self) -> Iterator[Any]:
         self.remainder = -1
