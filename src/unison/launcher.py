@@ -7,8 +7,9 @@ namespace, exports the UNISON_* variables of `launch_env` (how the flags reach `
 defaults) and runs torch's launcher in-process.
 
 What it adds to a bare torchrun:
-- one node: a free port on 127.0.0.1, so two launches on one machine never collide and nothing
-  listens beyond loopback for the rendezvous;
+- one node: the rendezvous is 127.0.0.1 on a free port, so two launches on one machine never
+  collide and the workers meet over loopback (torch's TCPStore server itself listens on every
+  interface at that port; its rendezvous handlers offer no way to bind it to one address);
 - every line a worker prints is prefixed with its global rank ("[rank1]: ...");
 - a failed run returns a non-zero exit code with one short summary instead of torch's report, the
   failing rank's own traceback having been printed (prefixed) by the worker itself;
@@ -28,6 +29,9 @@ from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.distributed import run as torchrun
+from torch.distributed.elastic.multiprocessing.api import SignalException
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from . import launch_env
 from .state import validate_mixed_precision
@@ -263,10 +267,6 @@ def exported(env: Mapping[str, str]) -> Iterator[None]:
 
 def launch(options: LaunchOptions) -> int:
     """Run the launch described by `options`; return the exit code (0 when every worker succeeded)."""
-    from torch.distributed import run as torchrun
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-
     nproc_per_node = validate(options)
     with tempfile.TemporaryDirectory(prefix="unison-launch-") as log_dir:
         argv = torchrun_argv(options, nproc_per_node, log_dir)
@@ -289,7 +289,7 @@ def launch(options: LaunchOptions) -> int:
     return 0
 
 
-def _failed_at(failure) -> float:
+def _failed_at(failure: ProcessFailure) -> float:
     """When a worker failed: unison's exact time from its error file, else torch's whole seconds."""
     message = failure.error_file_data.get("message")
     if isinstance(message, dict):
@@ -297,7 +297,7 @@ def _failed_at(failure) -> float:
     return float(failure.timestamp)
 
 
-def _report_failure(error) -> int:
+def _report_failure(error: ChildFailedError) -> int:
     """Name the rank that failed first (the cause; its peers usually fail because it went away)."""
     rank = min(error.failures, key=lambda r: _failed_at(error.failures[r]))
     failure = error.failures[rank]

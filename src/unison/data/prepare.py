@@ -97,16 +97,20 @@ def prepare_data_loader(
             dataset, split_batches=split_batches, even_batches=even_batches, **batching, **common
         )
     if iterable:
-        batch_size = dataloader.batch_size
         if num_processes > 1:
             if split_batches:
-                check_split(batch_size, num_processes)
+                check_split(dataloader.batch_size, num_processes)
             dataset = IterableDatasetShard(
-                dataset, batch_size or 1, dataloader.drop_last, num_processes, process_index, split_batches
+                dataset,
+                dataloader.batch_size or 1,
+                dataloader.drop_last,
+                num_processes,
+                process_index,
+                split_batches,
             )
-            if batch_size is not None:
-                batch_size = dataset.process_batch_size
-        return DataLoaderShard(dataset, batch_size=batch_size, drop_last=dataloader.drop_last, **common)
+            if dataloader.batch_size is not None:
+                batching["batch_size"] = dataset.process_batch_size
+        return DataLoaderShard(dataset, **batching, **common)
     if num_processes > 1:
         batching = _sharded(batching, num_processes, process_index, split_batches, even_batches)
     return DataLoaderShard(dataset, **batching, **common)
