@@ -33,6 +33,16 @@ from .launcher import (
 )
 from .state import AcceleratorState, PartialState, validate_mixed_precision
 
+_FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
+"""torch.cuda.is_available() initialises the CUDA driver, after which forked children cannot use CUDA
+(measured with torch 2.11 on an H100); with this variable it asks NVML instead, which is fork-safe."""
+
+_FORKED_CUDA_ADVICE = (
+    "\nThe notebook touched CUDA before launching (e.g. torch.cuda.is_available()), so the forked "
+    "workers cannot use it. Restart the kernel and keep CUDA calls inside the launched function, or "
+    "export PYTORCH_NVML_BASED_CUDA_CHECK=1 before the first torch.cuda call."
+)
+
 
 def notebook_launcher(
     function: Callable[..., Any],
@@ -69,18 +79,33 @@ def notebook_launcher(
             "machines every call needs the same master_addr and use_port (node 0's address and a free "
             "port there) and its own node_rank in [0, num_nodes)."
         )
-    nproc = resolve_nproc_per_node("auto" if num_processes is None else num_processes, cpu=cpu)
-    env = worker_environment(nproc, cpu=cpu, mixed_precision=mixed_precision)
-    if nproc == 1 and num_nodes == 1:
+    # every torch.cuda query in this process (ours, torch's launcher's) must leave CUDA usable by forks
+    with exported(_FORK_SAFE_CUDA_CHECK):
+        nproc = resolve_nproc_per_node("auto" if num_processes is None else num_processes, cpu=cpu)
+        env = worker_environment(nproc, cpu=cpu, mixed_precision=mixed_precision)
+        if nproc == 1 and num_nodes == 1:
+            with exported(env):
+                return {0: function(*args)}
+        endpoint = f"{master_addr}:{int(use_port) if use_port is not None else free_loopback_port()}"
         with exported(env):
-            return {0: function(*args)}
+            return _launch_workers(function, tuple(args), nproc, num_nodes, node_rank, endpoint, max_restarts)
+
+
+def _launch_workers(
+    function: Callable[..., Any],
+    args: tuple,
+    nproc: int,
+    num_nodes: int,
+    node_rank: int,
+    endpoint: str,
+    max_restarts: int,
+) -> dict[int, Any]:
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
-    if start_method == "fork" and not cpu and torch.cuda.is_initialized():
+    if start_method == "fork" and torch.cuda.is_initialized():
         raise RuntimeError(
             "CUDA was already initialised in this notebook, and forked workers cannot use it. Restart "
             "the kernel and keep every CUDA call (model.cuda(), torch.cuda.* ...) inside the function."
         )
-    port = int(use_port) if use_port is not None else free_loopback_port()
     with tempfile.TemporaryDirectory(prefix="unison-notebook-") as log_dir:
         config = LaunchConfig(
             min_nodes=num_nodes,
@@ -88,7 +113,7 @@ def notebook_launcher(
             nproc_per_node=nproc,
             run_id="unison-notebook",
             rdzv_backend="static",
-            rdzv_endpoint=f"{master_addr}:{port}",
+            rdzv_endpoint=endpoint,
             rdzv_configs={"rank": node_rank},
             max_restarts=max_restarts,
             start_method=start_method,
@@ -96,12 +121,13 @@ def notebook_launcher(
             logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),
             log_line_prefix_template=RANK_PREFIX_TEMPLATE,
         )
-        with exported(env):
-            try:
-                return elastic_launch(config, _run_in_worker)(function, *args)
-            except ChildFailedError as error:
-                rank, text = _first_failure(log_dir) or _torch_failure(error)
-                raise RuntimeError(f"notebook_launcher: rank {rank} failed first:\n{text}") from None
+        try:
+            return elastic_launch(config, _run_in_worker)(function, *args)
+        except ChildFailedError as error:
+            rank, text = _first_failure(log_dir) or _torch_failure(error)
+            if "Cannot re-initialize CUDA in forked subprocess" in text:
+                text += _FORKED_CUDA_ADVICE
+            raise RuntimeError(f"notebook_launcher: rank {rank} failed first:\n{text}") from None
 
 
 def _run_in_worker(function: Callable[..., Any], *args: Any) -> Any:
