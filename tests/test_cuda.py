@@ -12,16 +12,10 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, AcceleratorState, GradientState, PartialState
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    for state in (AcceleratorState, PartialState, GradientState):
-        state._reset_state()
-    yield
-    for state in (AcceleratorState, PartialState, GradientState):
-        state._reset_state()
+pytestmark = [
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+    pytest.mark.usefixtures("fresh_state"),
+]
 
 
 def make_model() -> nn.Module:

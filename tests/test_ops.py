@@ -17,7 +17,7 @@ import pytest
 import torch
 from launching import WORKERS, launch_ok
 
-from unison import PartialState, launch_env
+from unison import PartialState
 from unison.ops import (
     _pad_to,
     broadcast,
@@ -64,16 +64,9 @@ class Movable:
 
 
 @pytest.fixture(autouse=True)
-def single_process(monkeypatch):
-    """A plain `python script.py` process: no launcher variables, no state left by other tests."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", *launch_env.ALL):
-        monkeypatch.delenv(name, raising=False)
-    saved = dict(PartialState._shared_state)
-    PartialState._reset_state()
+def single_process(fresh_state):
+    """A plain `python script.py` process on the CPU."""
     PartialState(cpu=True)
-    yield
-    PartialState._reset_state()
-    PartialState._shared_state.update(saved)
 
 
 def nested(offset: float = 0.0) -> dict:

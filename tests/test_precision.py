@@ -8,15 +8,8 @@ from torch import nn
 
 from unison import Accelerator, AcceleratorState, GradientState, GradScalerKwargs, PartialState
 
-
-@pytest.fixture(autouse=True)
-def fresh_state():
-    """Each test builds its own Accelerator: one precision per process, so forget the last one."""
-    for state in (AcceleratorState, PartialState, GradientState):
-        state._reset_state()
-    yield
-    for state in (AcceleratorState, PartialState, GradientState):
-        state._reset_state()
+# Each test builds its own Accelerator (one precision per process), so each starts from no state.
+pytestmark = pytest.mark.usefixtures("fresh_state")
 
 
 def make_model() -> nn.Module:

@@ -119,21 +119,6 @@ def test_clean_shutdown_without_warnings(launched):
 # -- single process ------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def fresh_state(monkeypatch):
-    """A plain `python script.py` process: no launcher variables, no state left by other tests."""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "SLURM_PROCID", *launch_env.ALL):
-        monkeypatch.delenv(name, raising=False)
-    saved = (dict(PartialState._shared_state), dict(AcceleratorState._shared_state))
-    PartialState._reset_state()
-    AcceleratorState._reset_state()
-    yield
-    PartialState._reset_state()
-    AcceleratorState._reset_state()
-    PartialState._shared_state.update(saved[0])
-    AcceleratorState._shared_state.update(saved[1])
-
-
 def test_single_process_state(fresh_state):
     state = PartialState(cpu=True)
     assert (state.num_processes, state.process_index, state.local_process_index) == (1, 0, 0)

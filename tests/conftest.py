@@ -1,0 +1,35 @@
+"""Fixtures shared by the in-process (single-process) tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from unison import AcceleratorState, GradientState, PartialState, launch_env
+
+_STATES = (PartialState, AcceleratorState, GradientState)
+_LAUNCHER_VARIABLES = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "SLURM_PROCID",
+    *launch_env.ALL,
+)
+
+
+@pytest.fixture
+def fresh_state(monkeypatch):
+    """A plain `python script.py` process: no launcher variables, no state left by other tests.
+
+    The shared states are per process and refuse conflicting settings, so a test that builds its own
+    Accelerator starts from none and leaves the states as it found them.
+    """
+    for name in _LAUNCHER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    saved = [dict(state._shared_state) for state in _STATES]
+    for state in _STATES:
+        state._reset_state()
+    yield
+    for state, shared in zip(_STATES, saved):
+        state._reset_state()
+        state._shared_state.update(shared)
