@@ -11,7 +11,9 @@ unison, ...), so whatever else the machine is doing hits both alike:
    "unison" is the same loop through Accelerator.prepare / accumulate / backward / reduce.
    Reported: the median step time of each and unison/raw (target <= 1.01).
 2. Data loading alone: batches/s of the raw DataLoader with a DistributedSampler against the
-   prepared DataLoader, over the same dataset. Reported: prepared/raw (target >= 0.98).
+   prepared DataLoader, over the same dataset, each batch ending on the training device (the raw
+   loop calls .to(device) as train_gpt2.py does; the prepared loader places batches itself).
+   Reported: prepared/raw (target >= 0.98).
 
 The main process prints a table and writes everything as JSON to --out.
 """
@@ -38,6 +40,8 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))
 from data import CharTokenizer, CharWindows, load_corpus, train_val_split  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+
+DEVICE = torch.device("cpu")  # both loops train on the CPU over gloo (the Accelerator gets cpu=True)
 
 from unison import Accelerator  # noqa: E402
 
@@ -87,6 +91,7 @@ def raw_step(model: DDP, optimizer, scheduler, batches, accum: int, world_size: 
     loss_accum = torch.zeros(())
     for micro_step in range(accum):
         x, y = next(batches)
+        x, y = x.to(DEVICE), y.to(DEVICE)  # as train_gpt2.py does; a prepared loader does it for you
         last = micro_step == accum - 1
         with contextlib.nullcontext() if last else model.no_sync():  # all-reduce only on the last
             _, loss = model(x, y)
@@ -124,12 +129,15 @@ def timed(step) -> tuple[float, float]:
     return time.perf_counter() - start, loss
 
 
-def batches_per_second(loader: DataLoader, set_epoch, epochs: range) -> float:
+def batches_per_second(loader: DataLoader, set_epoch, epochs: range, to_device: bool) -> float:
+    """Batches/s, each batch ending on the device: the raw loop moves it there itself (to_device)."""
     dist.barrier()  # both processes start together, as in training
     start, count = time.perf_counter(), 0
     for epoch in epochs:
         set_epoch(epoch)
-        for _ in loader:
+        for x, y in loader:
+            if to_device:
+                x, y = x.to(DEVICE), y.to(DEVICE)
             count += 1
     return count / (time.perf_counter() - start)
 
@@ -216,13 +224,13 @@ def main() -> None:
     prepared = accelerator.prepare(user_loader())
     rates: dict[str, list[float]] = {"raw": [], "prepared": []}
     per_round = args.loader_epochs_per_round
-    batches_per_second(loader, sampler.set_epoch, range(1))  # warm-up
-    batches_per_second(prepared, prepared.set_epoch, range(1))
+    batches_per_second(loader, sampler.set_epoch, range(1), to_device=True)  # warm-up
+    batches_per_second(prepared, prepared.set_epoch, range(1), to_device=False)
     for round_index in range(args.loader_rounds):
         epochs = range(round_index * per_round, (round_index + 1) * per_round)
-        runs = [("raw", loader, sampler.set_epoch), ("prepared", prepared, prepared.set_epoch)]
-        for name, dl, set_epoch in runs if round_index % 2 == 0 else runs[::-1]:
-            rates[name].append(batches_per_second(dl, set_epoch, epochs))
+        runs = [("raw", loader, sampler.set_epoch, True), ("prepared", prepared, prepared.set_epoch, False)]
+        for name, dl, set_epoch, to_device in runs if round_index % 2 == 0 else runs[::-1]:
+            rates[name].append(batches_per_second(dl, set_epoch, epochs, to_device))
 
     # the slower process sets the pace of a step: report the elementwise max over processes
     all_times = accelerator.gather_object(times)

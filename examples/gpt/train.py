@@ -141,13 +141,14 @@ def main() -> None:
     )
 
     n_proc, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
     n_params = accelerator.unwrap_model(model).num_parameters()
     accelerator.print(
         f"{n_proc} process(es) on {accelerator.device} | mixed precision {accelerator.mixed_precision} | "
         f"{n_params:,} parameters | vocab {tokenizer.vocab_size} | {len(text):,} characters\n"
         f"{args.batch_size} x {args.block_size} tokens per micro-batch x {accum} micro-step(s) x {n_proc} "
         f"process(es) = {args.batch_size * args.block_size * accum * n_proc:,} tokens per step | "
-        f"{len(train_dl) // accum} steps per epoch"
+        f"{steps_per_epoch} steps per epoch"
     )
 
     # ---- train
@@ -195,7 +196,7 @@ def main() -> None:
         epoch += 1
 
     elapsed = time.perf_counter() - start
-    accelerator.print(f"trained {step} steps ({epoch} epoch(s) begun) in {elapsed:.1f} s")
+    accelerator.print(f"trained {step} steps ({step / steps_per_epoch:.2f} epochs) in {elapsed:.1f} s")
 
     # ---- a sample from the trained model, written by the main process
     if args.sample_chars > 0 and accelerator.is_main_process:

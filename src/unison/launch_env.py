@@ -39,7 +39,7 @@ def env_int(name: str, default: int) -> int:
     try:
         return int(raw)
     except ValueError:
-        raise ValueError(f"{name}={raw!r} is not an integer; export a whole number such as {name}=2.") from None
+        raise ValueError(f"{name}={raw!r} is not an integer; export a whole number, e.g. {name}=2.") from None
 
 
 def env_float(name: str, default: float) -> float:

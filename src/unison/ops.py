@@ -147,6 +147,14 @@ def send_to_device(
     skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
 
     def move(obj: Any) -> Any:
+        # Tensors and plain lists, tuples and dicts first, without the generic walk: this runs on
+        # every batch a prepared DataLoader yields, and their cost shows in the loader's throughput.
+        if isinstance(obj, torch.Tensor):
+            return obj.to(device, non_blocking=non_blocking)
+        if type(obj) in (list, tuple):
+            return type(obj)([move(child) for child in obj])
+        if type(obj) is dict:
+            return {key: child if key in skip else move(child) for key, child in obj.items()}
         if hasattr(obj, "to"):
             try:
                 return obj.to(device, non_blocking=non_blocking)

@@ -79,10 +79,14 @@ def iter_rounds(
     for batch in batches:
         pending.append(batch)
         if len(pending) == batches_per_round:
-            if drop_last and not _is_full(pending, batch_size, num_processes, split_batches):
+            full = _is_full(pending, batch_size, num_processes, split_batches)
+            if drop_last and not full:
                 return
             first_round = first_round or pending
-            yield _assemble(pending, first_round, batch_size, num_processes, split_batches, even_batches)
+            if full and not split_batches:  # the common case, once per step: hand the batches out as they are
+                yield Round(pending)
+            else:
+                yield _assemble(pending, first_round, batch_size, num_processes, split_batches, even_batches)
             pending = []
     if pending and not drop_last:
         yield _assemble(
@@ -250,7 +254,7 @@ class BatchSamplerShard(Sampler[list[int]]):
                 self.remainder = round_.real_samples
             piece = round_.pieces[self.process_index]
             if piece is not None:
-                yield list(piece)
+                yield piece if isinstance(piece, list) else list(piece)
 
 
 class SamplerShard(Sampler[int]):
