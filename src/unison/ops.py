@@ -144,29 +144,33 @@ def send_to_device(
     Objects with `.to` are moved whole (a BatchEncoding moves itself); values under a Mapping key in
     `skip_keys` are left where they are; other leaves pass through unchanged.
     """
-    skip = {skip_keys} if isinstance(skip_keys, str) else set(skip_keys or ())
+    skip = frozenset((skip_keys,) if isinstance(skip_keys, str) else skip_keys or ())
+    return _move(data, device, non_blocking, skip)
 
-    def move(obj: Any) -> Any:
-        # Tensors and plain lists, tuples and dicts first, without the generic walk: this runs on
-        # every batch a prepared DataLoader yields, and their cost shows in the loader's throughput.
-        if isinstance(obj, torch.Tensor):
+
+def _move(obj: Any, device: Any, non_blocking: bool, skip: frozenset) -> Any:
+    # Tensors and plain tuples, lists and dicts first, without the generic walk: this runs on every
+    # batch a prepared DataLoader yields, and its cost shows in the loader's throughput.
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device, non_blocking=non_blocking)
+    kind = type(obj)
+    if kind is tuple or kind is list:
+        return kind([_move(child, device, non_blocking, skip) for child in obj])
+    if kind is dict:
+        return {k: v if k in skip else _move(v, device, non_blocking, skip) for k, v in obj.items()}
+    if hasattr(obj, "to"):
+        try:
             return obj.to(device, non_blocking=non_blocking)
-        if type(obj) in (list, tuple):
-            return type(obj)([move(child) for child in obj])
-        if type(obj) is dict:
-            return {key: child if key in skip else move(child) for key, child in obj.items()}
-        if hasattr(obj, "to"):
-            try:
-                return obj.to(device, non_blocking=non_blocking)
-            except TypeError:  # a .to() that does not take non_blocking
-                return obj.to(device)
-        children = _children(obj)
-        if children is None:
-            return obj
-        keep = isinstance(obj, Mapping)
-        return _rebuild(obj, [child if keep and key in skip else move(child) for key, child in children])
-
-    return move(data)
+        except TypeError:  # a .to() that does not take non_blocking
+            return obj.to(device)
+    children = _children(obj)
+    if children is None:
+        return obj
+    keep = isinstance(obj, Mapping)
+    moved = [
+        child if keep and key in skip else _move(child, device, non_blocking, skip) for key, child in children
+    ]
+    return _rebuild(obj, moved)
 
 
 def find_batch_size(data: Any) -> int:

@@ -241,20 +241,49 @@ class BatchSamplerShard(Sampler[list[int]]):
 
     def __iter__(self) -> Iterator[list[int]]:
         self.remainder = -1
-        rounds = iter_rounds(
-            self.batch_sampler,
+        if type(self.batch_sampler) is BatchSampler and not self.split_batches and self.num_processes > 1:
+            return self._deal_from_index_stream()
+        return self._deal(self._rounds(self.batch_sampler))
+
+    def _rounds(self, batches: Iterable[Sequence[Any]]) -> Iterator[Round]:
+        return iter_rounds(
+            batches,
             self.batch_size,
             self.num_processes,
             self.split_batches,
             self.even_batches,
             self.drop_last,
         )
+
+    def _deal(self, rounds: Iterable[Round]) -> Iterator[list[int]]:
         for round_ in rounds:
             if round_.real_samples >= 0:
                 self.remainder = round_.real_samples
             piece = round_.pieces[self.process_index]
             if piece is not None:
                 yield piece if isinstance(piece, list) else list(piece)
+
+    def _deal_from_index_stream(self) -> Iterator[list[int]]:
+        """iter_rounds' rounds for a plain torch BatchSampler, without building other processes' batches.
+
+        A full round is n * batch_size consecutive indices of the sampler, so this process's batch is one
+        slice of them: this runs once per batch and is most of the sampler's cost. The final, incomplete
+        round (if any) is cut into batches as BatchSampler would and dealt by iter_rounds' own rules.
+        """
+        size, n, p = self.batch_size, self.num_processes, self.process_index
+        indices = iter(self.batch_sampler.sampler)
+        first_round: list[int] | None = None
+        while True:
+            chunk = list(itertools.islice(indices, n * size))
+            if len(chunk) < n * size:
+                break
+            first_round = first_round or chunk
+            yield chunk[p * size : (p + 1) * size]
+        if not chunk or self.drop_last:  # drop_last drops an incomplete final round
+            return
+        batches = [chunk[i : i + size] for i in range(0, len(chunk), size)]
+        first = [first_round[i : i + size] for i in range(0, n * size, size)] if first_round else batches
+        yield from self._deal([_assemble(batches, first, size, n, False, self.even_batches)])
 
 
 class SamplerShard(Sampler[int]):
