@@ -4,6 +4,7 @@ The public names follow Hugging Face Accelerate, so a script migrates by changin
 """
 
 from .accelerator import Accelerator
+from .checkpoint import CheckpointError, ProjectConfiguration
 from .data import (
     BatchSamplerShard,
     DataLoaderDispatcher,
@@ -33,6 +34,7 @@ __all__ = [
     "Accelerator",
     "AcceleratorState",
     "BatchSamplerShard",
+    "CheckpointError",
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "DistributedDataParallelKwargs",
@@ -42,6 +44,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "IterableDatasetShard",
     "PartialState",
+    "ProjectConfiguration",
     "__version__",
     "broadcast",
     "broadcast_object_list",

@@ -1,0 +1,39 @@
+"""Checkpoints: atomic, verified directories on disk (storage), the training state in them
+(training_state), and consolidated weights for use without unison (weights)."""
+
+from .storage import (
+    MANIFEST_NAME,
+    CheckpointError,
+    ProjectConfiguration,
+    checkpoint_path,
+    list_checkpoints,
+    load_object,
+    newest_checkpoint,
+    prune_checkpoints,
+    save_object,
+    temporary_path,
+    verify_checkpoint,
+    write_checkpoint,
+)
+from .training_state import load_training_state, save_training_state
+from .weights import SAFETENSORS_FILE, TORCH_FILE, save_model_weights
+
+__all__ = [
+    "MANIFEST_NAME",
+    "SAFETENSORS_FILE",
+    "TORCH_FILE",
+    "CheckpointError",
+    "ProjectConfiguration",
+    "checkpoint_path",
+    "list_checkpoints",
+    "load_object",
+    "load_training_state",
+    "newest_checkpoint",
+    "prune_checkpoints",
+    "save_model_weights",
+    "save_object",
+    "save_training_state",
+    "temporary_path",
+    "verify_checkpoint",
+    "write_checkpoint",
+]

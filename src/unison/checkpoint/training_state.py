@@ -1,0 +1,126 @@
+"""The whole training state of an Accelerator, saved to and restored from one checkpoint directory.
+
+What a checkpoint holds: every prepared model, optimizer and scheduler, the fp16 scaler, every
+prepared DataLoader's position (in samples, so it loads on another number of processes), the objects
+given to `register_for_checkpointing`, the step counters, and each process's RNG states. Replicated
+state is written once, by the main process; each process writes its own RNG states. The directory is
+made atomic and verifiable by `storage.write_checkpoint`, and everything loads with
+`torch.load(weights_only=True)`: a checkpoint never executes code.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .. import ops
+from ..random import get_rng_state, set_rng_state
+from ..state import PartialState
+from .storage import CheckpointError, load_object, save_object, verify_checkpoint, write_checkpoint
+
+if TYPE_CHECKING:
+    from ..accelerator import Accelerator
+
+logger = logging.getLogger("unison")
+
+COUNTERS_FILE = "counters.pt"
+
+
+def _replicated_parts(accelerator: Accelerator) -> dict[str, Any]:
+    """file name -> the object (with state_dict/load_state_dict) whose state it holds."""
+    parts: dict[str, Any] = {}
+    for i, model in enumerate(accelerator._models):
+        parts[f"model_{i}.pt"] = accelerator.unwrap_model(model)
+    for i, optimizer in enumerate(accelerator._optimizers):
+        parts[f"optimizer_{i}.pt"] = optimizer
+    for i, scheduler in enumerate(accelerator._schedulers):
+        parts[f"scheduler_{i}.pt"] = scheduler
+    for i, loader in enumerate(accelerator._dataloaders):
+        parts[f"dataloader_{i}.pt"] = loader
+    for i, obj in enumerate(accelerator._custom_objects):
+        parts[f"custom_checkpoint_{i}.pt"] = obj
+    if accelerator.scaler is not None:
+        parts["scaler.pt"] = accelerator.scaler
+    return parts
+
+
+def _counters(accelerator: Accelerator) -> dict[str, Any]:
+    return {
+        "step": accelerator.step,
+        "optimizer_steps": [optimizer.num_steps_taken for optimizer in accelerator._optimizers],
+    }
+
+
+def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
+    """Write the training state into `directory` (atomically; every process must call this)."""
+    state = PartialState()
+    metadata = {"optimizer_steps": accelerator.optimizer_steps, "world_size": state.num_processes}
+    with write_checkpoint(directory, metadata=metadata) as staging:
+        if state.is_main_process:
+            for name, part in _replicated_parts(accelerator).items():
+                save_object(part.state_dict(), staging / name)
+            save_object(_counters(accelerator), staging / COUNTERS_FILE)
+        save_object(get_rng_state(), staging / f"rng_state_{state.process_index}.pt")
+    logger.info("saved the training state to %s", directory)
+    return directory
+
+
+def _verify_on_main_process(directory: Path) -> dict[str, Any]:
+    """Check the checkpoint once (reading every file on every process would cost N times) and give
+    every process the verdict, so a bad checkpoint raises the same error on each of them."""
+    state = PartialState()
+    manifest, error = None, None
+    if state.is_main_process:
+        try:
+            manifest = verify_checkpoint(directory)
+        except CheckpointError as exc:
+            error = str(exc)
+    manifest, error = ops.broadcast_object_list([manifest, error], from_process=0)
+    if error is not None:
+        raise CheckpointError(error)
+    return manifest
+
+
+def load_training_state(accelerator: Accelerator, directory: Path) -> None:
+    """Restore everything `save_training_state` wrote, into the objects this Accelerator prepared."""
+    manifest = _verify_on_main_process(directory)
+    parts = _replicated_parts(accelerator)
+    saved = set(manifest["files"])
+    expected = set(parts) | {COUNTERS_FILE}
+    missing = sorted(name for name in expected if name not in saved)
+    if missing:
+        raise CheckpointError(
+            f"{directory} has no {', '.join(missing)}: it was saved from a run that prepared fewer models, "
+            "optimizers, schedulers, data loaders or registered objects (or another precision) than this "
+            "one. "
+            "Prepare the same objects, in the same order, as the run that saved it."
+        )
+    for name, part in parts.items():
+        part.load_state_dict(load_object(directory / name, map_location=accelerator.device))
+    counters = load_object(directory / COUNTERS_FILE)
+    accelerator.step = counters["step"]
+    for optimizer, steps in zip(accelerator._optimizers, counters["optimizer_steps"]):
+        optimizer.num_steps_taken = steps
+    _load_rng_state(directory, manifest)
+    accelerator.wait_for_everyone()
+    logger.info("loaded the training state from %s", directory)
+
+
+def _load_rng_state(directory: Path, manifest: dict[str, Any]) -> None:
+    """Each process resumes its own random streams. On another number of processes there are no
+    streams to match the new ranks with, so none is restored, and that is said, not hidden."""
+    state = PartialState()
+    saved_world_size = manifest.get("metadata", {}).get("world_size")
+    if saved_world_size != state.num_processes:
+        if state.is_main_process:
+            logger.warning(
+                "checkpoint %s was saved by %s processes and is loaded by %d: models, optimizers, schedulers "
+                "and data positions carry over; the per-process random states do not (results stay within "
+                "rounding of the original run, not bit-identical).",
+                directory,
+                saved_world_size,
+                state.num_processes,
+            )
+        return
+    set_rng_state(load_object(directory / f"rng_state_{state.process_index}.pt"))

@@ -1,0 +1,89 @@
+"""Exact resume through real launches: stopped or SIGKILLed runs, resumed, end where an uninterrupted run ends."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from launching import REPO_ROOT, launch_ok
+
+WORKER = Path(__file__).parent / "workers" / "resume_worker.py"
+
+
+def train(nproc: int, project: Path, out: Path, accum: int, *extra: str) -> None:
+    launch_ok(WORKER, nproc, "--project", project, "--out", out, "--accum", str(accum), *extra)
+
+
+def params(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)
+
+
+def assert_bit_identical(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not different, f"parameters differ from the uninterrupted run: {different}"
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[name] - b[name]).abs().max().item() for name in a)
+
+
+def kill_after_checkpoint(nproc: int, project: Path, out: Path, accum: int, step: int, delay: float) -> None:
+    """Start a run, wait until checkpoint_<step> exists, then SIGKILL every process of the launch."""
+    command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(nproc), "--cpu", str(WORKER)]
+    command += ["--project", str(project), "--out", str(out), "--accum", str(accum), "--step-sleep", "0.2"]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + 120
+    try:
+        while not (project / "checkpoints" / f"checkpoint_{step}" / "manifest.json").exists():
+            assert process.poll() is None, "the run ended before it was killed"
+            assert time.monotonic() < deadline, "no checkpoint appeared within 120 s"
+            time.sleep(0.02)
+        time.sleep(delay)
+    finally:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert not out.exists(), "the run finished before the kill: the test proved nothing"
+
+
+@pytest.mark.parametrize("nproc, accum", [(1, 4), (2, 2)], ids=["1proc", "2proc"])
+def test_sigkilled_run_resumes_bit_identical(tmp_path, nproc, accum):
+    reference = tmp_path / "reference.pt"
+    train(nproc, tmp_path / "reference", reference, accum)
+
+    project, out = tmp_path / "killed", tmp_path / "killed.pt"
+    # Two kills at different moments (one right after a save completes, one a little later), then a full run.
+    kill_after_checkpoint(nproc, project, out, accum, step=2, delay=0.0)
+    kill_after_checkpoint(nproc, project, out, accum, step=6, delay=0.25)
+    train(nproc, project, out, accum)
+    assert_bit_identical(params(out), params(reference))
+
+
+def test_resume_on_another_number_of_processes_follows_the_same_trajectory(tmp_path):
+    common = ("--optimizer", "sgd", "--dropout", "0")
+    reference = tmp_path / "reference.pt"
+    train(2, tmp_path / "reference", reference, 2, *common)
+
+    saved = tmp_path / "saved"
+    train(2, saved, tmp_path / "unused.pt", 2, *common, "--stop-after", "3")
+    assert (saved / "checkpoints" / "checkpoint_2").is_dir()
+    for nproc, accum in [(1, 4), (4, 1)]:
+        project = tmp_path / f"resumed{nproc}"
+        shutil.copytree(saved, project)
+        out = tmp_path / f"resumed{nproc}.pt"
+        train(nproc, project, out, accum, *common)
+        assert max_diff(params(out), params(reference)) < 1e-5, (nproc, accum)
