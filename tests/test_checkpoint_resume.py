@@ -1,4 +1,4 @@
-"""Exact resume through real launches: stopped or SIGKILLed runs, resumed, end where an uninterrupted run ends."""
+"""Exact resume through real launches: stopped or SIGKILLed runs, once resumed, end as uninterrupted ones."""
 
 from __future__ import annotations
 

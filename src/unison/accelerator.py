@@ -10,15 +10,30 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Callable, Iterator
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch.utils.data import DataLoader
 
 from . import launch_env, ops
+from .checkpoint import (
+    SAFETENSORS_FILE,
+    TORCH_FILE,
+    ProjectConfiguration,
+    checkpoint_path,
+    list_checkpoints,
+    load_training_state,
+    newest_checkpoint,
+    prune_checkpoints,
+    save_model_weights,
+    save_training_state,
+)
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
+from .item_count import ItemCount, scale_gradients
 from .kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -66,6 +81,8 @@ class Accelerator:
         step_scheduler_with_optimizer: bool = True,
         timeout: float | timedelta | None = None,
         kwargs_handlers: list | None = None,
+        project_config: ProjectConfiguration | None = None,
+        project_dir: str | os.PathLike | None = None,
     ):
         handlers = sort_kwargs_handlers(kwargs_handlers)
         if gradient_accumulation_steps is None:
@@ -92,6 +109,11 @@ class Accelerator:
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoader] = []
         self._prepared_ids: set[int] = set()
+        self._item_count = ItemCount()  # items behind summed losses, see backward(num_items=...)
+        self._custom_objects: list[Any] = []
+        self.project_configuration = project_config or ProjectConfiguration()
+        if project_dir is not None:
+            self.project_configuration.set_directories(project_dir)
 
     # -- process facts (the shared state's) ---------------------------------------------------------
     @property
@@ -316,13 +338,40 @@ class Accelerator:
         with skip_gradient_sync(model):
             yield
 
-    def backward(self, loss: torch.Tensor, **kwargs) -> None:
-        """loss.backward(), divided by the accumulation steps and scaled for fp16."""
-        if self.gradient_accumulation_steps > 1:
+    def backward(
+        self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None, **kwargs
+    ) -> None:
+        """loss.backward(), normalised for accumulation and scaled for fp16; kwargs go to loss.backward.
+
+        Without num_items, `loss` is a mean and is divided by gradient_accumulation_steps.
+        With num_items, `loss` is a SUM over this micro-batch's items (e.g. valid tokens) and num_items
+        their number (int, float or one-element tensor such as `mask.sum()`): after the backward of the
+        micro-step that ends the accumulation window, every gradient of the prepared models is divided
+        by the number of items over all processes and micro-steps of the window, so the update is the
+        gradient of the mean over all items, whatever the split (docs/loss-normalization.md). Call it
+        once per micro-step, on every micro-step of the window, with optimizer.zero_grad() after the
+        step as usual; clip_grad_norm_ and the optimizer then see the normalised gradients.
+        """
+        counted = self._item_count.begin_backward(num_items)
+        if counted is None and self.gradient_accumulation_steps > 1:
             loss = loss / self.gradient_accumulation_steps
         if self.precision.scaler is not None:
             loss = self.precision.scaler.scale(loss)
         loss.backward(**kwargs)
+        if self.sync_gradients:
+            if counted is not None:
+                self._normalise_by_item_count()
+            self._item_count.end_window()
+
+    def _normalise_by_item_count(self) -> None:
+        """Turn the window's summed gradients into the gradient of the mean over all its items.
+
+        Every prepared model with gradients is DDP-wrapped when processes > 1, so after this backward
+        each gradient is the average over the N processes of their local sums: N / global count makes
+        it the global sum over the global count (with fp16 the loss scale stays in until unscaling).
+        """
+        factor = self._item_count.gradient_factor(self.num_processes, self.device)
+        scale_gradients((p for model in self._models for p in model.parameters()), factor)
 
     def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
         """Autocast in the run's mixed precision, for computation outside the prepared model."""
@@ -380,6 +429,84 @@ class Accelerator:
 
     def send_to_device(self, data: Any, non_blocking: bool = False) -> Any:
         return ops.send_to_device(data, self.device, non_blocking=non_blocking)
+
+    # -- checkpoints -----------------------------------------------------------------------------
+    @property
+    def optimizer_steps(self) -> int:
+        """Real optimizer steps taken so far (micro-steps and fp16-skipped steps not counted)."""
+        return max((optimizer.num_steps_taken for optimizer in self._optimizers), default=0)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include `objects` (anything with state_dict/load_state_dict) in save_state/load_state."""
+        for obj in objects:
+            if not all(callable(getattr(obj, name, None)) for name in ("state_dict", "load_state_dict")):
+                raise TypeError(
+                    f"register_for_checkpointing got a {type(obj).__qualname__}, which has no state_dict() "
+                    "and load_state_dict(): checkpoints save objects through those two methods. Add them, "
+                    "or keep the object out of the checkpoint."
+                )
+        self._custom_objects.extend(objects)
+
+    def _checkpoints_dir(self, action: str) -> Path:
+        if self.project_configuration.project_dir is None:
+            raise ValueError(
+                f"{action}() was given no directory and this Accelerator has no project directory: pass one, "
+                "e.g. accelerator.save_state('ckpt/'), or create the Accelerator with "
+                "project_config=ProjectConfiguration(project_dir='runs/x') so checkpoints go to "
+                "runs/x/checkpoints/checkpoint_<step>."
+            )
+        return self.project_configuration.checkpoints_dir
+
+    def save_state(self, output_dir: str | os.PathLike | None = None) -> Path:
+        """Save the whole training state (call on every process, at the end of an optimizer step).
+
+        Without output_dir it goes to project_dir/checkpoints/checkpoint_<optimizer steps>, and the
+        oldest checkpoints beyond ProjectConfiguration.total_limit are removed.
+        """
+        automatic = output_dir is None
+        if automatic:
+            output_dir = checkpoint_path(self._checkpoints_dir("save_state"), self.optimizer_steps)
+        directory = save_training_state(self, Path(output_dir))
+        if automatic and self.project_configuration.total_limit is not None:
+            prune_checkpoints(directory.parent, self.project_configuration.total_limit)
+        return directory
+
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, *, missing_ok: bool = False
+    ) -> Path | None:
+        """Restore the training state saved by save_state; prepared loaders continue mid-epoch.
+
+        Without input_dir the newest complete checkpoint under project_dir/checkpoints is loaded. If
+        there is none, missing_ok=True returns None (start fresh); otherwise FileNotFoundError.
+        """
+        if input_dir is None:
+            checkpoints = self._checkpoints_dir("load_state")
+            input_dir = newest_checkpoint(checkpoints)
+            if input_dir is None:
+                if missing_ok:
+                    return None
+                raise FileNotFoundError(
+                    f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
+                    "first, or pass missing_ok=True to start fresh when there is nothing to resume."
+                )
+        directory = Path(input_dir)
+        if not directory.exists() and missing_ok:
+            return None
+        load_training_state(self, directory)
+        return directory
+
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints under project_dir/checkpoints, oldest first."""
+        return list_checkpoints(self._checkpoints_dir("checkpoints"))
+
+    def save_model(
+        self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True
+    ) -> Path:
+        """Consolidated weights of `model`, loadable without unison (model.safetensors by default)."""
+        if self.is_main_process:
+            save_model_weights(self.unwrap_model(model), Path(save_directory), safe_serialization)
+        self.wait_for_everyone()
+        return Path(save_directory) / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
 
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""

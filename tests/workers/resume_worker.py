@@ -32,7 +32,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--stop-after", type=int, default=None, help="exit cleanly after this optimizer step")
-    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step, to widen kill windows")
+    parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill window)")
     return parser.parse_args()
 
 

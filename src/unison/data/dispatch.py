@@ -13,6 +13,7 @@ A scatter sends every process only its own piece, structure and data in one mess
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -24,7 +25,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .. import ops
 from ..state import PartialState
 from .loader import LoaderProgress, PreparedDataLoader, carried_settings
-from .sharding import check_split, iter_rounds, rounds_for_process
+from .sharding import SkipBatchSampler, check_split, iter_rounds, rounds_for_process
 
 
 def _as_read(batch: Any) -> Any:
@@ -99,6 +100,10 @@ class DataLoaderDispatcher(PreparedDataLoader):
             return self.source_batch_size
         return self.source_batch_size * self.num_processes
 
+    @property
+    def samples_per_step(self) -> int:
+        return self.total_batch_size or self.num_processes
+
     def _samples(self) -> int | None:
         """Samples per epoch before sharding, where known."""
         try:
@@ -108,7 +113,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
         except (AttributeError, TypeError):
             return None
 
-    def __len__(self) -> int:
+    def _epoch_length(self) -> int:
         samples = self._samples()
         if not isinstance(self.dataset, IterableDataset):
             source_batches = len(self._index_sampler)
@@ -137,22 +142,44 @@ class DataLoaderDispatcher(PreparedDataLoader):
             self._drop_last,
         )
 
-    def _reader(self) -> DataLoader:
-        """Process 0's loader of raw samples: this loader's sampling and workers, collation deferred."""
-        if self._reader_loader is None:
-            settings = {**carried_settings(self), "collate_fn": _as_read, "pin_memory": False}
-            if isinstance(self.dataset, IterableDataset):
-                batching = {"batch_size": self._loader_batch_size, "drop_last": self.drop_last}
-            elif self._auto_collation:
-                batching = {"batch_sampler": self.batch_sampler}
-            else:
-                batching = {"sampler": self.sampler, "batch_size": None}
-            self._reader_loader = DataLoader(self.dataset, **batching, **settings)
-        return self._reader_loader
+    def _reader(self, skip_batches: int = 0, keep_first: int = 0) -> DataLoader:
+        """Process 0's loader of raw samples: this loader's sampling and workers, collation deferred.
 
-    def _rounds(self) -> Iterator[tuple[list[Any], int]]:
-        """Process 0: each step's collated pieces (one per process, None for nothing) and real rows."""
-        reader = self._reader()
+        With skip_batches (map-style data only), the index sampler's batches from the `keep_first`-th
+        on are skipped unread.
+        """
+        if self._reader_loader is not None and not skip_batches:
+            return self._reader_loader
+        settings = {**carried_settings(self), "collate_fn": _as_read, "pin_memory": False}
+        if isinstance(self.dataset, IterableDataset):
+            batching = {"batch_size": self._loader_batch_size, "drop_last": self.drop_last}
+        elif self._auto_collation:
+            batching = {"batch_sampler": SkipBatchSampler(self.batch_sampler, skip_batches, keep_first)}
+        else:
+            batching = {
+                "sampler": SkipBatchSampler(self.sampler, skip_batches, keep_first),
+                "batch_size": None,
+            }
+        reader = DataLoader(self.dataset, **batching, **settings)
+        if not skip_batches:
+            self._reader_loader = reader
+        return reader
+
+    def _rounds(self, skip: int) -> Iterator[tuple[list[Any], int]]:
+        """Process 0: each step's collated pieces (one per process, None for nothing) and real rows,
+        from the `skip`-th step on.
+
+        Map-style data skips in the sampler, unread, except the first step's samples where the final
+        step may be topped up with them (even_batches); a stream is read through.
+        """
+        if isinstance(self.dataset, IterableDataset) or not skip:
+            return self._collated_rounds(self._reader(), skip)
+        per_round = 1 if self.split_batches else self.num_processes
+        keep = int(self.even_batches and self.num_processes > 1 and not self._drop_last)
+        reader = self._reader((skip - keep) * per_round, keep * per_round)
+        return self._collated_rounds(reader, keep)
+
+    def _collated_rounds(self, reader: DataLoader, skip: int) -> Iterator[tuple[list[Any], int]]:
         units = reader if self._auto_collation else ([item] for item in reader)
         rounds = iter_rounds(
             units,
@@ -162,7 +189,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
             self.even_batches,
             self._drop_last,
         )
-        for round_ in rounds:
+        for round_ in itertools.islice(rounds, skip, None):
             if self._auto_collation:
                 pieces = [None if piece is None else self.collate_fn(list(piece)) for piece in round_.pieces]
                 yield pieces, round_.real_samples
@@ -174,10 +201,7 @@ class DataLoaderDispatcher(PreparedDataLoader):
     def _batches(self, skip: int) -> Iterator[Any]:
         self._last_real_samples = -1
         is_main = self.process_index == 0
-        rounds = self._rounds() if is_main else iter(())
-        for _ in range(skip):  # skipped steps are read by process 0 but never sent
-            if next(rounds, None) is None:
-                break
+        rounds = self._rounds(skip) if is_main else iter(())
         while True:
             messages, failure = None, None
             if is_main:

@@ -7,6 +7,13 @@ is being iterated the loader registers itself in GradientState, which is how the
 it. The epoch counter lives with the loader: each pass first hands the epoch to the sampler and
 the dataset (so every process shuffles alike) and a complete pass advances it, so a script that
 never calls set_epoch still gets a new order every epoch.
+
+A loader also knows how far into the epoch it is (batches handed to the user, not the one read
+ahead), which `state_dict` reports in units that do not depend on the number of processes:
+global samples consumed. `load_state_dict` makes the next pass continue there, skipping in the
+sampler where there is one. Each loader owns its torch.Generator, reseeded from (seed, epoch) at
+every pass, so creating an iterator never draws from the global RNG (torch draws the worker seed
+from `generator`, else from the global stream, which would make a resumed run's dropout diverge).
 """
 
 from __future__ import annotations
@@ -18,14 +25,16 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, IterableDataset
 
 from .. import ops
 from ..state import GradientState
-from .randomness import check_rng_types, synchronize_rng_states
-from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard
+from .randomness import SeedableRandomSampler, check_rng_types, epoch_seed, synchronize_rng_states
+from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler
 
 _END = object()
+_WORKER_SALT = 0x5851F42D4C957F2D  # worker seeds apart from the shuffle drawn from the same (seed, epoch)
+STATE_KEYS = ("epoch", "samples_consumed", "end_of_epoch", "seed", "worker_seed", "total_batch_size")
 
 # DataLoader settings a re-created loader carries over unchanged (those this torch version has)
 CARRIED_SETTINGS = [
@@ -54,9 +63,23 @@ def carried_settings(dataloader: DataLoader) -> dict[str, Any]:
 @dataclass
 class LoaderProgress:
     """Where a prepared loader stands; shared with the loaders skip_first_batches derives from it,
-    so finishing a resumed epoch advances the original loader too."""
+    so finishing a resumed epoch advances the original loader too (and saving the original saves
+    the copy's position).
+
+    batches: batches of `epoch` handed out in the latest pass, counted from the epoch's start (a
+    skipped start included); end_of_epoch: that pass handed out its last batch; resume: the next
+    pass continues after `batches` instead of starting the epoch afresh (set by load_state_dict).
+    """
 
     epoch: int = 0
+    batches: int = 0
+    end_of_epoch: bool = False
+    resume: bool = False
+
+    def move_to(self, epoch: int) -> None:
+        """Go to `epoch`; another epoch than the current one starts from its beginning."""
+        if epoch != self.epoch:
+            self.epoch, self.batches, self.end_of_epoch, self.resume = epoch, 0, False, False
 
 
 def find_in_chain(root: Any, kind: type) -> Any | None:
@@ -80,10 +103,10 @@ def _sampler_chain(root: Any) -> Iterator[Any]:
 
 
 class PreparedDataLoader(DataLoader):
-    """What DataLoaderShard and DataLoaderDispatcher share: look-ahead, epochs, device placement.
+    """What DataLoaderShard and DataLoaderDispatcher share: look-ahead, epochs, position, device placement.
 
-    Subclasses provide `_batches(skip)`, this process's batches on the host, and
-    `_final_remainder()`, read once the last batch is known.
+    Subclasses provide `_batches(skip)`, this process's batches on the host from the `skip`-th on,
+    `_final_remainder()`, read once the last batch is known, `_epoch_length()` and `samples_per_step`.
     """
 
     def __init__(
@@ -114,10 +137,19 @@ class PreparedDataLoader(DataLoader):
         self.gradient_state = GradientState()
         self.end_of_dataloader = False
         self.remainder = -1
+        # The loader's own generator (see the module docstring). Without a shuffle seed to derive it
+        # from, the user's generator's seed decides it, else torch's initial seed (set_seed sets it).
+        user_generator = loader_kwargs.get("generator")
+        self.worker_seed = (
+            user_generator.initial_seed() if user_generator is not None else torch.initial_seed()
+        )
+        self.generator = torch.Generator()
 
     def _clone(self, **overrides: Any) -> PreparedDataLoader:
         """A loader like this one (same kind, same arguments, same progress) with some arguments changed."""
-        return type(self)(**{**self._init_kwargs, "progress": self.progress, **overrides})
+        clone = type(self)(**{**self._init_kwargs, "progress": self.progress, **overrides})
+        clone.worker_seed = self.worker_seed
+        return clone
 
     # torch's DataLoader stores batch_size=None whenever a batch sampler is given; a prepared loader
     # reports the batch size each process actually receives.
@@ -133,22 +165,106 @@ class PreparedDataLoader(DataLoader):
         return self._loader_batch_size
 
     @property
+    def samples_per_step(self) -> int:
+        """Items of the dataset all processes consume together per batch: total_batch_size where the
+        batch size is known, else one item of the index sampler per process (a batch_size=None
+        loader's items, or the batches of a custom batch sampler without a batch_size)."""
+        raise NotImplementedError
+
+    def _epoch_length(self) -> int:
+        raise NotImplementedError
+
+    def __len__(self) -> int:
+        """Batches of this process's next pass (a skip_first_batches copy's first pass is shorter)."""
+        return max(self._epoch_length() - self.skip_batches, 0)
+
+    @property
     def epoch(self) -> int:
         """The epoch the current (or next) pass uses; advanced by one after each complete pass."""
         return self.progress.epoch
 
     @epoch.setter
     def epoch(self, value: int) -> None:
-        self.progress.epoch = int(value)
+        self.progress.move_to(int(value))
 
     def set_epoch(self, epoch: int) -> None:
-        """Use `epoch` for the next pass, and tell the samplers and the dataset (their set_epoch)."""
+        """Use `epoch` for the next pass, and tell the samplers and the dataset (their set_epoch).
+
+        The current epoch keeps a position restored by load_state_dict; another epoch starts afresh.
+        """
         self.epoch = epoch
         for sampler in _sampler_chain(self._index_sampler):
             if hasattr(sampler, "set_epoch"):
                 sampler.set_epoch(epoch)
         if hasattr(self.dataset, "set_epoch"):
             self.dataset.set_epoch(epoch)
+
+    def _shuffle_sampler(self) -> SeedableRandomSampler | None:
+        return find_in_chain(self._index_sampler, SeedableRandomSampler)
+
+    def state_dict(self) -> dict[str, int | bool | None]:
+        """Where this loader stands, in units that do not depend on the number of processes.
+
+        epoch; samples_consumed: the epoch's samples already handed out to all processes together
+        (batches yielded x samples_per_step; 0 between epochs); end_of_epoch: the epoch's last batch
+        was handed out (a save on the last step resumes at the next epoch whatever the new split);
+        seed: the shuffle seed (None without shuffling); worker_seed: what seeds the workers when
+        nothing shuffles; total_batch_size: this loader's samples_per_step, for error messages.
+        Plain ints, bools and None only: it loads with torch.load(weights_only=True).
+        """
+        progress, shuffle = self.progress, self._shuffle_sampler()
+        return {
+            "epoch": progress.epoch,
+            "samples_consumed": progress.batches * self.samples_per_step,
+            "end_of_epoch": progress.end_of_epoch,
+            "seed": None if shuffle is None else shuffle.seed,
+            "worker_seed": self.worker_seed,
+            "total_batch_size": self.samples_per_step,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` (from state_dict, maybe of another number of processes) stood.
+
+        The next pass yields exactly the batches the saved loader had not yet handed out, in the same
+        order, skipping the others in the sampler (iterable data is read through). A position that is
+        not a whole number of this loader's steps is a ValueError: nothing is changed then.
+        """
+        missing = [key for key in STATE_KEYS if key not in state]
+        if missing:
+            raise ValueError(
+                f"this data loader state lacks {missing}: load_state_dict takes the dict a prepared "
+                f"loader's state_dict() returns (keys {', '.join(STATE_KEYS)})."
+            )
+        shuffle, seed = self._shuffle_sampler(), state["seed"]
+        if (seed is None) != (shuffle is None):
+            saved, here = ("shuffled", "does not") if shuffle is None else ("did not shuffle", "does")
+            raise ValueError(
+                f"the data loader state (seed={seed}) comes from a loader that {saved}, but this one {here}: "
+                "the order could not be reproduced. Prepare the same DataLoader (shuffle setting) as the "
+                "saved run, or load the state into the loader it was saved from."
+            )
+        consumed, step = int(state["samples_consumed"]), self.samples_per_step
+        if consumed % step and not state["end_of_epoch"]:
+            raise ValueError(
+                f"cannot resume this {type(self).__name__} at samples_consumed={consumed}: that is not a "
+                f"multiple of its total_batch_size={step} (the saved loader's was "
+                f"{state['total_batch_size']}), so the saved position falls inside one of this loader's "
+                "steps and no whole number of batches can be skipped. Resume with a number of processes "
+                f"(or per-process batch size) whose global batch divides {consumed}, or save at a step "
+                "where it does."
+            )
+        if shuffle is not None:
+            shuffle.seed = int(seed)
+        self.worker_seed = int(state["worker_seed"])
+        self.progress.move_to(int(state["epoch"]))
+        self.progress.batches = consumed // step
+        self.progress.end_of_epoch = bool(state["end_of_epoch"])
+        self.progress.resume = True
+
+    def _reseed_generator(self) -> None:
+        shuffle = self._shuffle_sampler()
+        seed = self.worker_seed if shuffle is None else shuffle.seed
+        self.generator.manual_seed(epoch_seed(seed, self.epoch) ^ _WORKER_SALT)
 
     def _batches(self, skip: int) -> Iterator[Any]:
         raise NotImplementedError
@@ -161,15 +277,26 @@ class PreparedDataLoader(DataLoader):
             return batch
         return ops.send_to_device(batch, self.device, non_blocking=self.non_blocking)
 
+    def _start_of_pass(self) -> tuple[int, bool]:
+        """(batches to skip, whether the epoch was already handed out completely) for the pass starting."""
+        progress, skip = self.progress, self.skip_batches
+        self.skip_batches = 0
+        if progress.resume:
+            progress.resume = False
+            return progress.batches, progress.end_of_epoch
+        progress.batches, progress.end_of_epoch = skip, False
+        return skip, False
+
     def __iter__(self) -> Iterator[Any]:
-        skip, self.skip_batches = self.skip_batches, 0
         self.set_epoch(self.epoch)
+        skip, finished = self._start_of_pass()
+        self._reseed_generator()
         synchronize_rng_states(self.rng_types, self.generator)
         self.end_of_dataloader = False
         self.remainder = -1
         self.gradient_state._add_dataloader(self)
         try:
-            batches = self._batches(skip)
+            batches = iter(()) if finished else self._batches(skip)
             current = next(batches, _END)
             while current is not _END:
                 current = self._place(current)
@@ -177,11 +304,26 @@ class PreparedDataLoader(DataLoader):
                 if upcoming is _END:
                     self.remainder = self._final_remainder()
                     self.end_of_dataloader = True
+                self.progress.batches += 1  # counted as handed out: the user has it once we yield
+                self.progress.end_of_epoch = self.end_of_dataloader
                 yield current
                 current = upcoming
             self.epoch += 1
         finally:
             self.gradient_state._remove_dataloader(self)
+
+
+def skipping_loader(loader: DataLoader, skip: int) -> DataLoader:
+    """A plain DataLoader over `loader`'s map-style data and settings whose pass skips `skip` batches in
+    the sampler: the skipped batches are never loaded."""
+    settings = carried_settings(loader)
+    if loader._auto_collation:
+        return DataLoader(
+            loader.dataset, batch_sampler=SkipBatchSampler(loader.batch_sampler, skip), **settings
+        )
+    return DataLoader(
+        loader.dataset, sampler=SkipBatchSampler(loader.sampler, skip), batch_size=None, **settings
+    )
 
 
 class DataLoaderShard(PreparedDataLoader):
@@ -235,8 +377,25 @@ class DataLoaderShard(PreparedDataLoader):
             return self.dataset.total_batch_size
         return self.batch_size
 
+    @property
+    def samples_per_step(self) -> int:
+        total = self.total_batch_size
+        if total is not None:
+            return total
+        shard = find_in_chain(self._index_sampler, BatchSamplerShard)  # a SamplerShard's, or of unknown size
+        if shard is not None:
+            return shard.num_processes
+        if isinstance(self.dataset, IterableDatasetShard):
+            return self.dataset.num_processes
+        return 1
+
+    def _epoch_length(self) -> int:
+        return DataLoader.__len__(self)
+
     def _batches(self, skip: int) -> Iterator[Any]:
-        return itertools.islice(DataLoader.__iter__(self), skip, None)
+        if skip and not isinstance(self.dataset, IterableDataset):
+            return iter(skipping_loader(self, skip))
+        return itertools.islice(DataLoader.__iter__(self), skip, None)  # a stream is read through
 
     def _final_remainder(self) -> int:
         if isinstance(self.dataset, IterableDatasetShard):

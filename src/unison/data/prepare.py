@@ -18,13 +18,12 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 
 from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
-from .loader import DataLoaderShard, PreparedDataLoader, carried_settings
+from .loader import DataLoaderShard, PreparedDataLoader, carried_settings, skipping_loader
 from .randomness import check_rng_types, with_seedable_sampler
 from .sharding import (
     BatchSamplerShard,
     IterableDatasetShard,
     SamplerShard,
-    SkipBatchSampler,
     check_process_index,
     check_split,
 )
@@ -151,32 +150,16 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
 
     For map-style data the skip happens in the sampler, so the skipped batches are never loaded
     (an iterable stream has to be read through). Later passes are complete. A prepared loader's
-    copy shares its epoch counter, so finishing the resumed epoch moves the original on too.
+    copy shares its progress, so finishing the resumed epoch moves the original on too. (After
+    Accelerator.load_state a prepared loader resumes by itself: see PreparedDataLoader.load_state_dict.)
     """
     if num_batches < 0:
         raise ValueError(f"num_batches={num_batches} is negative: pass how many batches to skip, >= 0.")
-    map_style = not isinstance(dataloader.dataset, IterableDataset)
-    if isinstance(dataloader, DataLoaderShard) and map_style:
-        if dataloader._auto_collation:
-            return dataloader._clone(batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches))
-        return dataloader._clone(sampler=SkipBatchSampler(dataloader.sampler, num_batches))
     if isinstance(dataloader, PreparedDataLoader):
         return dataloader._clone(skip_batches=num_batches)
-    if not map_style:
+    if isinstance(dataloader.dataset, IterableDataset):
         raise TypeError(
             "skip_first_batches on a plain DataLoader over an IterableDataset cannot skip without reading: "
             "prepare the loader first (prepare_data_loader / Accelerator.prepare) and skip on the result."
         )
-    settings = carried_settings(dataloader)
-    if dataloader._auto_collation:
-        return DataLoader(
-            dataloader.dataset,
-            batch_sampler=SkipBatchSampler(dataloader.batch_sampler, num_batches),
-            **settings,
-        )
-    return DataLoader(
-        dataloader.dataset,
-        sampler=SkipBatchSampler(dataloader.sampler, num_batches),
-        batch_size=None,
-        **settings,
-    )
+    return skipping_loader(dataloader, num_batches)

@@ -314,19 +314,21 @@ class SamplerShard(Sampler[int]):
 
 
 class SkipBatchSampler(Sampler[Any]):
-    """Skips the first `skip_batches` items of the next pass over `batch_sampler`, then forgets it.
+    """Skips `skip_batches` items of the next pass over `batch_sampler` (after its first `start`
+    ones), then forgets it.
 
-    The skipped batches are only index lists: nothing is loaded. Used by skip_first_batches to
-    resume in the middle of an epoch; the epochs after that one are complete again.
+    The skipped batches are only index lists: nothing is loaded. Used to resume in the middle of an
+    epoch (skip_first_batches, load_state_dict); the epochs after that one are complete again.
     """
 
-    def __init__(self, batch_sampler: Iterable[Any], skip_batches: int = 0):
+    def __init__(self, batch_sampler: Iterable[Any], skip_batches: int = 0, start: int = 0):
         if skip_batches < 0:
             raise ValueError(
                 f"skip_batches={skip_batches} is negative: pass the number of batches to skip, >= 0."
             )
         self.batch_sampler = batch_sampler
         self.skip_batches = skip_batches
+        self.start = start
 
     @property
     def total_length(self) -> int:
@@ -337,7 +339,9 @@ class SkipBatchSampler(Sampler[Any]):
 
     def __iter__(self) -> Iterator[Any]:
         skip, self.skip_batches = self.skip_batches, 0
-        yield from itertools.islice(self.batch_sampler, skip, None)
+        batches = iter(self.batch_sampler)
+        yield from itertools.islice(batches, self.start)
+        yield from itertools.islice(batches, skip, None)
 
 
 def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:

@@ -1,0 +1,367 @@
+"""Checkpoint directories on disk: written atomically, listed by step, verified before loading.
+
+A checkpoint is a directory whose files are written into a hidden sibling `.<name>.tmp` and renamed
+into place only once every process has written its files and the main process has added
+`manifest.json` (each file's size and CRC-32). A crash or SIGKILL mid-save therefore leaves at most a
+hidden temporary directory, never a half-written checkpoint that looks complete; the next save of that
+name removes the leftover. Loading verifies the manifest first, so a truncated or edited file is
+refused with its name instead of surfacing later as an unpickling error or silently wrong weights.
+Objects are read with `torch.load(weights_only=True)`: loading a checkpoint never executes code.
+
+CRC-32 rather than a cryptographic hash: it is there to catch accidental damage (truncation, a flipped
+byte, a file edited by hand), not an attacker (weights_only loading is the guard against that), and it
+is ~2x faster than SHA-256 and ~4x faster than BLAKE2b on 100 MB here, which keeps a save near the cost
+of a plain torch.save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import mmap
+import os
+import pickle
+import re
+import shutil
+import zlib
+from collections.abc import Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..state import PartialState
+
+logger = logging.getLogger("unison")
+
+MANIFEST_NAME = "manifest.json"
+FORMAT_VERSION = 1
+CHECKPOINT_PREFIX = "checkpoint_"
+_CHECKPOINT_NAME = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
+_MAX_CHECKSUM_THREADS = 8
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory is incomplete or damaged, or an object in it cannot be loaded safely."""
+
+
+@dataclass
+class ProjectConfiguration:
+    """Where a project's checkpoints and logs go (Accelerate's fields and defaults).
+
+    With automatic_checkpoint_naming, saves go to `project_dir/checkpoints/checkpoint_<step>` and at
+    most `total_limit` of them are kept (the oldest are removed). logging_dir defaults to project_dir.
+    """
+
+    project_dir: str | None = None
+    logging_dir: str | None = None
+    automatic_checkpoint_naming: bool = False
+    total_limit: int | None = None
+    iteration: int = 0
+    save_on_each_node: bool = False
+
+    def __post_init__(self) -> None:
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+        if self.total_limit is not None:
+            _check_total_limit(self.total_limit)
+        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
+            raise ValueError(
+                f"ProjectConfiguration: iteration={self.iteration!r} is not allowed: it counts the saves "
+                "made so far and must be an integer >= 0. Leave it at 0 for a new project."
+            )
+
+    def set_directories(self, project_dir: str | os.PathLike | None = None) -> None:
+        """Set project_dir, and logging_dir too unless it was given (as Accelerate does)."""
+        self.project_dir = None if project_dir is None else os.fspath(project_dir)
+        if self.logging_dir is None:
+            self.logging_dir = self.project_dir
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        """`project_dir/checkpoints`, the folder automatic checkpoint naming saves into."""
+        if self.project_dir is None:
+            raise ValueError(
+                "ProjectConfiguration has no project_dir, so there is no checkpoints folder: pass "
+                "ProjectConfiguration(project_dir='runs/my_run', ...) or give save_state/load_state a path."
+            )
+        return Path(self.project_dir) / "checkpoints"
+
+
+def _check_total_limit(total_limit: Any) -> None:
+    if isinstance(total_limit, bool) or not isinstance(total_limit, int) or total_limit < 1:
+        raise ValueError(
+            f"total_limit={total_limit!r} is not allowed: it is the number of checkpoints to keep and must "
+            "be an integer >= 1 (keeping none would delete the checkpoint just saved). Pass None to keep all."
+        )
+
+
+def checkpoint_path(checkpoints_dir: str | os.PathLike, step: int) -> Path:
+    """The directory of the checkpoint for `step`: `checkpoints_dir/checkpoint_<step>`."""
+    return Path(checkpoints_dir) / f"{CHECKPOINT_PREFIX}{step}"
+
+
+def temporary_path(final_dir: str | os.PathLike) -> Path:
+    """The hidden sibling a checkpoint is written into before it is renamed to `final_dir`."""
+    final_dir = Path(final_dir)
+    return final_dir.parent / f".{final_dir.name}.tmp"
+
+
+def _aside_path(final_dir: Path) -> Path:
+    """Where an existing directory is moved while its replacement is renamed in, then deleted."""
+    return final_dir.parent / f".{final_dir.name}.old"
+
+
+# -- writing -------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def write_checkpoint(
+    final_dir: str | os.PathLike, metadata: Mapping[str, Any] | None = None
+) -> Iterator[Path]:
+    """Context manager, entered by every process: yield a temporary directory to write files into.
+
+    The main process creates `.<name>.tmp` next to `final_dir` (removing a leftover of a killed save)
+    and everyone waits for it. When the block ends normally on every process, the main process lists
+    every file with its size and CRC-32 in manifest.json (plus `metadata`, any JSON-serialisable dict),
+    fsyncs, and renames the directory to `final_dir`, replacing an existing one of that name; the other
+    processes wait until that is done. If the block raises, nothing is renamed: an existing checkpoint
+    of the same name stays as it was, and the exception propagates.
+    """
+    state = PartialState()
+    final_dir = Path(final_dir)
+    tmp_dir = temporary_path(final_dir)
+    metadata = dict(metadata or {})
+    try:
+        json.dumps(metadata)
+    except (TypeError, ValueError) as error:
+        raise CheckpointError(
+            f"checkpoint metadata {metadata!r} cannot be written to {MANIFEST_NAME}: {error}. Pass only "
+            "JSON types (dict, list, str, int, float, bool, None)."
+        ) from error
+    if state.is_main_process:
+        final_dir.parent.mkdir(parents=True, exist_ok=True)
+        _remove_if_present(tmp_dir)
+        tmp_dir.mkdir()
+    state.wait_for_everyone()
+    try:
+        yield tmp_dir
+    except BaseException:
+        if state.is_main_process:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    state.wait_for_everyone()  # every process has finished writing its files
+    if state.is_main_process:
+        manifest = _write_manifest(tmp_dir, metadata)
+        _move_into_place(tmp_dir, final_dir)
+        total = sum(entry["size"] for entry in manifest["files"].values())
+        logger.info("saved checkpoint %s (%d files, %.1f MB)", final_dir, len(manifest["files"]), total / 1e6)
+    state.wait_for_everyone()  # nobody reads final_dir before it exists
+
+
+def _write_manifest(directory: Path, metadata: dict[str, Any]) -> dict[str, Any]:
+    """Checksum and fsync every file under `directory`, then write (and fsync) the manifest."""
+    paths = sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST_NAME)
+    entries = _checksum_files(paths, sync=True)
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "checksum": "crc32",
+        "files": {path.relative_to(directory).as_posix(): entry for path, entry in zip(paths, entries)},
+        "metadata": metadata,
+    }
+    with open(directory / MANIFEST_NAME, "w") as file:
+        json.dump(manifest, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    for folder in [directory, *(path for path in directory.rglob("*") if path.is_dir())]:
+        _fsync_directory(folder)
+    return manifest
+
+
+def _move_into_place(tmp_dir: Path, final_dir: Path) -> None:
+    """Rename tmp_dir to final_dir; an existing final_dir is moved aside first and deleted after.
+
+    rename(2) cannot replace a non-empty directory, so there is a short window in which final_dir is
+    missing (its old version is in `.<name>.old`); a crash there loses only that one name, never a
+    checkpoint of another step.
+    """
+    aside = _aside_path(final_dir)
+    replacing = final_dir.exists()
+    if replacing:
+        _remove_if_present(aside)
+        os.replace(final_dir, aside)
+    os.replace(tmp_dir, final_dir)
+    _fsync_directory(final_dir.parent)
+    if replacing:
+        shutil.rmtree(aside)
+
+
+def _remove_if_present(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the directory's entries (new files, renames) durable, not only the files' contents."""
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _checksum_files(paths: list[Path], sync: bool) -> list[dict[str, Any]]:
+    """Size and CRC-32 of each file, optionally fsyncing each, in threads.
+
+    zlib and fsync both release the GIL, so the checksums (CPU-bound) overlap with the fsyncs (waiting
+    on the disk) and with each other: a save costs about the larger of the two, not their sum.
+    """
+    threads = min(_MAX_CHECKSUM_THREADS, max(1, len(paths) * (2 if sync else 1)))
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+        syncs = [pool.submit(_fsync_file, path) for path in paths] if sync else []
+        entries = list(pool.map(_checksum_file, paths))
+        for done in syncs:
+            done.result()
+    return entries
+
+
+def _checksum_file(path: Path) -> dict[str, Any]:
+    # mmap: a just-written file is in the page cache, so this checksums it without copying it.
+    with open(path, "rb") as file:
+        size = os.fstat(file.fileno()).st_size
+        crc = 0
+        if size:
+            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
+                crc = zlib.crc32(view)
+    return {"size": size, "crc32": f"{crc:08x}"}
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as file:
+        os.fsync(file.fileno())
+
+
+# -- reading -------------------------------------------------------------------------------------
+def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
+    """Check every file listed in the manifest (present, same size, same CRC-32); return the manifest.
+
+    Raises CheckpointError naming the first file that is missing, truncated or changed, or saying
+    why the directory is not a complete checkpoint.
+    """
+    directory = Path(directory)
+    manifest_path = directory / MANIFEST_NAME
+    if not directory.is_dir():
+        raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist.")
+    if not manifest_path.is_file():
+        raise CheckpointError(
+            f"{directory} is not a complete checkpoint: it has no {MANIFEST_NAME}, which is written last, "
+            "when every file has been saved (the save was interrupted, or this folder was made another "
+            "way). Load another checkpoint, e.g. the newest complete one."
+        )
+    try:
+        manifest = json.loads(manifest_path.read_text())
+        version = manifest.get("format_version")
+        files = manifest["files"]
+    except (ValueError, AttributeError, KeyError, TypeError) as error:
+        raise CheckpointError(f"{manifest_path} is not a valid checkpoint manifest ({error}).") from error
+    if version != FORMAT_VERSION:
+        raise CheckpointError(
+            f"{manifest_path} has format_version {version!r}, but this unison reads version "
+            f"{FORMAT_VERSION}: the checkpoint was written by another unison version. Load it with that "
+            "version."
+        )
+    names = sorted(files)
+    for name in names:
+        if not (directory / name).is_file():
+            raise CheckpointError(
+                f"checkpoint file {directory / name} is missing: {MANIFEST_NAME} lists it, so the checkpoint "
+                "was changed after it was saved. Restore the file or load another checkpoint."
+            )
+    actual = _checksum_files([directory / name for name in names], sync=False)
+    for name, found in zip(names, actual):
+        expected = files[name]
+        path = directory / name
+        if found["size"] != expected["size"]:
+            raise CheckpointError(
+                f"checkpoint file {path} has {found['size']} bytes but {MANIFEST_NAME} records "
+                f"{expected['size']} (truncated?). Restore the file or load another checkpoint."
+            )
+        if found["crc32"] != expected["crc32"]:
+            raise CheckpointError(
+                f"checkpoint file {path} does not match its checksum in {MANIFEST_NAME} (crc32 "
+                f"{found['crc32']}, expected {expected['crc32']}): it was edited or corrupted after saving. "
+                "Restore the file or load another checkpoint."
+            )
+    return manifest
+
+
+def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints (`checkpoint_<int>` with a manifest) in `checkpoints_dir`, oldest step first.
+
+    Temporary directories of unfinished saves and folders without a manifest are not checkpoints.
+    A missing `checkpoints_dir` has none.
+    """
+    checkpoints_dir = Path(checkpoints_dir)
+    if not checkpoints_dir.is_dir():
+        return []
+    found = []
+    for path in checkpoints_dir.iterdir():
+        match = _CHECKPOINT_NAME.fullmatch(path.name)
+        if match and (path / MANIFEST_NAME).is_file():
+            found.append((int(match.group(1)), path))
+    return [path for _, path in sorted(found)]
+
+
+def newest_checkpoint(checkpoints_dir: str | os.PathLike) -> Path | None:
+    """The complete checkpoint with the highest step in `checkpoints_dir`, or None if there is none."""
+    checkpoints = list_checkpoints(checkpoints_dir)
+    return checkpoints[-1] if checkpoints else None
+
+
+def prune_checkpoints(checkpoints_dir: str | os.PathLike, total_limit: int) -> list[Path]:
+    """Remove the oldest complete checkpoints beyond `total_limit`; return the removed paths.
+
+    Only the main process removes (the others return []); there is no barrier inside, so call it on
+    every process or on the main one alone. Each is renamed aside before deletion, so an interrupted
+    prune never leaves a partly deleted directory that still looks complete.
+    """
+    _check_total_limit(total_limit)
+    if not PartialState().is_main_process:
+        return []
+    checkpoints = list_checkpoints(checkpoints_dir)
+    removed = checkpoints[: max(0, len(checkpoints) - total_limit)]
+    for path in removed:
+        aside = _aside_path(path)
+        _remove_if_present(aside)
+        os.replace(path, aside)
+        shutil.rmtree(aside)
+        logger.info("removed old checkpoint %s (total_limit=%d)", path, total_limit)
+    return removed
+
+
+# -- objects -------------------------------------------------------------------------------------
+def save_object(obj: Any, path: str | os.PathLike) -> None:
+    """Write `obj` (tensors, state dicts, plain Python containers and numbers) with torch.save."""
+    torch.save(obj, path)
+
+
+def load_object(path: str | os.PathLike, map_location: Any = None) -> Any:
+    """Read an object written by save_object with torch.load(weights_only=True): no code is executed.
+
+    An object that weights_only refuses (an instance of an arbitrary class) raises CheckpointError
+    naming the file and the refused type.
+    """
+    try:
+        return torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as error:
+        detail = str(error).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
+        reason = detail[0] if detail else type(error).__name__
+        raise CheckpointError(
+            f"{path} holds an object that cannot be loaded safely: torch.load(weights_only=True) refused it "
+            f"({reason}). Checkpoints are loaded without running code, so save state dicts of tensors and "
+            "plain Python values; if you wrote this file and trust the type, allow it with "
+            "torch.serialization.add_safe_globals([...])."
+        ) from error
