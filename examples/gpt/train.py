@@ -23,7 +23,7 @@ from data import CharTokenizer, CharWindows, load_corpus, train_val_split
 from model import GPT, GPTConfig
 from torch.utils.data import DataLoader, Subset
 
-from unison import Accelerator, set_seed
+from unison import Accelerator, ProjectConfiguration, set_seed
 
 
 def parse_args() -> argparse.Namespace:
@@ -56,6 +56,9 @@ def parse_args() -> argparse.Namespace:
     arg("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="default: the launcher's")
     arg("--cpu", action="store_true", help="train on the CPU even if a GPU is visible")
     arg("--seed", type=int, default=1337)
+    arg("--project-dir", default="runs/gpt", help="checkpoints go to PROJECT_DIR/checkpoints/")
+    arg("--save-every", type=int, default=100, help="save a checkpoint every N steps (0: never)")
+    arg("--resume", action="store_true", help="continue from the newest checkpoint in --project-dir, if any")
     arg("--log-interval", type=int, default=20, help="print the training loss every N steps")
     arg(
         "--eval-interval",
@@ -95,6 +98,7 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum,
         mixed_precision=args.mixed_precision,
         cpu=args.cpu or None,
+        project_config=ProjectConfiguration(project_dir=args.project_dir, total_limit=2),
     )
     # The same seed on every process: identical initial weights, and a shuffle all processes agree on.
     set_seed(args.seed)
@@ -139,6 +143,9 @@ def main() -> None:
     model, optimizer, train_dl, val_dl, scheduler = accelerator.prepare(
         model, optimizer, train_dl, val_dl, scheduler
     )
+    # --resume: weights, optimizer, schedule, RNG and the data position inside the interrupted epoch
+    if args.resume and accelerator.load_state(missing_ok=True):
+        accelerator.print(f"resumed at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}")
 
     n_proc, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
@@ -152,9 +159,9 @@ def main() -> None:
     )
 
     # ---- train
-    step, epoch = 0, 0
+    step, epoch = accelerator.optimizer_steps, train_dl.epoch
     loss_sum, micro_steps, tokens = torch.zeros((), device=accelerator.device), 0, 0
-    last_log_step = 0
+    last_log_step = step
     start = last_log = time.perf_counter()
     while step < args.max_steps:
         train_dl.set_epoch(epoch)  # a new shuffle each epoch, the same on every process
@@ -191,6 +198,8 @@ def main() -> None:
                 val_loss = evaluate(model, val_dl, accelerator)
                 accelerator.print(f"step {step:5d}/{args.max_steps} | val loss {val_loss:.4f}")
                 last_log = time.perf_counter()  # evaluation time does not count against tokens/s
+            if args.save_every and step % args.save_every == 0:
+                accelerator.save_state()  # every process takes part; the main process writes the files
             if step == args.max_steps:
                 break
         epoch += 1
