@@ -164,9 +164,9 @@ def breakdown(accelerator: Accelerator, parts: dict[str, object], root: Path, re
 
 def disk(path: Path) -> dict:
     info = {"path": str(path)}
-    with contextlib.suppress(OSError, subprocess.SubprocessError):
+    with contextlib.suppress(OSError, subprocess.SubprocessError, IndexError, ValueError):
         out = subprocess.run(
-            ["df", "-T", "--output=source,fstype,size,avail", str(path)], capture_output=True, text=True
+            ["df", "--output=source,fstype,size,avail", str(path)], capture_output=True, text=True
         ).stdout.split("\n")[1].split()
         info.update(device=out[0], filesystem=out[1], size_kb=int(out[2]), avail_kb=int(out[3]))
     return info
@@ -210,7 +210,7 @@ def main() -> None:
     prepared[1].step()  # AdamW's exp_avg / exp_avg_sq now exist: the optimizer state is 2x the model
     prepared[2].step()
     prepared[1].zero_grad()
-    parts = {"model.pt": model, "optimizer.pt": optimizer, "scheduler.pt": scheduler}
+    parts = {"model_0.pt": model, "optimizer_0.pt": optimizer, "scheduler_0.pt": scheduler}  # unison's names
     model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
 
     root = Path(tempfile.mkdtemp(prefix="unison_ckpt_bench_", dir=args.dir))

@@ -29,6 +29,7 @@ from unison.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
+from unison.checkpoint.storage import CHUNK_BYTES
 
 pytestmark = pytest.mark.usefixtures("fresh_state")
 
@@ -52,15 +53,19 @@ def test_round_trip_records_every_file_with_size_and_checksum(tmp_path):
         (staging / "shards").mkdir()
         (staging / "shards" / "part0.bin").write_bytes(b"\x00\x01\x02" * 100)
         (staging / "empty.txt").write_bytes(b"")
+        (staging / "big.bin").write_bytes(os.urandom(CHUNK_BYTES * 2 + 12_345))  # three checksum chunks
 
     assert sorted(path.name for path in final.parent.iterdir()) == ["checkpoint_3"]
     manifest = verify_checkpoint(final)
     assert manifest["metadata"] == {"step": 3, "world_size": 1}
     assert json.loads((final / MANIFEST_NAME).read_text()) == manifest
-    assert sorted(manifest["files"]) == ["empty.txt", "model.pt", "shards/part0.bin"]
+    assert sorted(manifest["files"]) == ["big.bin", "empty.txt", "model.pt", "shards/part0.bin"]
+    chunk = manifest["chunk_bytes"]
     for name, entry in manifest["files"].items():
         data = (final / name).read_bytes()
-        assert entry == {"size": len(data), "crc32": f"{zlib.crc32(data):08x}"}
+        crcs = [f"{zlib.crc32(data[start : start + chunk]):08x}" for start in range(0, len(data), chunk)]
+        assert entry == {"size": len(data), "crc32": crcs}
+    assert len(manifest["files"]["big.bin"]["crc32"]) == 3
     loaded = load_object(final / "model.pt")
     assert torch.equal(loaded["weight"], state["weight"])
     assert loaded["step"] == 3 and loaded["names"] == ["a", "b"]
@@ -121,7 +126,8 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path):
     (edited / "model.pt").write_bytes(bytes(data))
     assert load_object(edited / "model.pt")["w"].shape == (10_000,)
     with pytest.raises(
-        CheckpointError, match=r"edited/model\.pt does not match its checksum.*edited or corrupted"
+        CheckpointError,
+        match=r"edited/model\.pt does not match its checksums .*bytes 0-.*edited or corrupted",
     ):
         verify_checkpoint(edited)
 

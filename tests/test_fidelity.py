@@ -28,6 +28,16 @@ _spec.loader.exec_module(worker)
 SPLITS = (1, 2, 4)  # processes; accumulation steps 4, 2, 1
 
 
+@pytest.fixture(autouse=True)
+def one_thread():
+    """These models are tiny: intra-op threads only cost here (a reference run takes 15 ms on one
+    thread and 1-5 s on two while other processes load the two cores)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys()
     return max((a[name] - b[name]).abs().max().item() for name in a)

@@ -2,16 +2,17 @@
 
 A checkpoint is a directory whose files are written into a hidden sibling `.<name>.tmp` and renamed
 into place only once every process has written its files and the main process has added
-`manifest.json` (each file's size and CRC-32). A crash or SIGKILL mid-save therefore leaves at most a
-hidden temporary directory, never a half-written checkpoint that looks complete; the next save of that
-name removes the leftover. Loading verifies the manifest first, so a truncated or edited file is
+`manifest.json` (each file's size and CRC-32 checksums). A crash or SIGKILL mid-save therefore leaves
+at most a hidden temporary directory, never a half-written checkpoint that looks complete; the next
+save of that name removes the leftover. Loading verifies the manifest first, so a truncated or edited file is
 refused with its name instead of surfacing later as an unpickling error or silently wrong weights.
 Objects are read with `torch.load(weights_only=True)`: loading a checkpoint never executes code.
 
 CRC-32 rather than a cryptographic hash: it is there to catch accidental damage (truncation, a flipped
 byte, a file edited by hand), not an attacker (weights_only loading is the guard against that), and it
-is ~2x faster than SHA-256 and ~4x faster than BLAKE2b on 100 MB here, which keeps a save near the cost
-of a plain torch.save.
+is the fastest checksum the standard library has (100 MB: crc32 25 ms, sha256 58 ms, blake2b 119 ms on
+the 2-core development VM). One CRC per 8 MiB chunk lets every core checksum a part of a large file, so
+a save or load stays near the cost of a plain torch.save/torch.load.
 """
 
 from __future__ import annotations
@@ -41,7 +42,9 @@ MANIFEST_NAME = "manifest.json"
 FORMAT_VERSION = 1
 CHECKPOINT_PREFIX = "checkpoint_"
 _CHECKPOINT_NAME = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
-_MAX_CHECKSUM_THREADS = 8
+CHUNK_BYTES = 8 * 2**20
+"""Files are checksummed in chunks of this size (one CRC-32 each), so every core can work on one file."""
+_MAX_THREADS = 32
 
 
 class CheckpointError(ValueError):
@@ -163,10 +166,11 @@ def write_checkpoint(
 def _write_manifest(directory: Path, metadata: dict[str, Any]) -> dict[str, Any]:
     """Checksum and fsync every file under `directory`, then write (and fsync) the manifest."""
     paths = sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST_NAME)
-    entries = _checksum_files(paths, sync=True)
+    entries = _checksum_files(paths, CHUNK_BYTES, sync=True)
     manifest = {
         "format_version": FORMAT_VERSION,
         "checksum": "crc32",
+        "chunk_bytes": CHUNK_BYTES,
         "files": {path.relative_to(directory).as_posix(): entry for path, entry in zip(paths, entries)},
         "metadata": metadata,
     }
@@ -213,30 +217,31 @@ def _fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
-def _checksum_files(paths: list[Path], sync: bool) -> list[dict[str, Any]]:
-    """Size and CRC-32 of each file, optionally fsyncing each, in threads.
+def _checksum_files(paths: list[Path], chunk_bytes: int, sync: bool) -> list[dict[str, Any]]:
+    """Size and per-chunk CRC-32s of each file (optionally fsyncing each), computed in threads.
 
-    zlib and fsync both release the GIL, so the checksums (CPU-bound) overlap with the fsyncs (waiting
-    on the disk) and with each other: a save costs about the larger of the two, not their sum.
+    zlib and fsync release the GIL, so the chunks are checksummed on every core (a 100 MB file is not
+    one sequential pass) while the fsyncs wait on the disk: a save costs about the larger of the two.
     """
-    threads = min(_MAX_CHECKSUM_THREADS, max(1, len(paths) * (2 if sync else 1)))
+    threads = min(_MAX_THREADS, (os.cpu_count() or 1) + (len(paths) if sync else 0))
     with ThreadPoolExecutor(max_workers=threads) as pool:
         syncs = [pool.submit(_fsync_file, path) for path in paths] if sync else []
-        entries = list(pool.map(_checksum_file, paths))
+        entries = [_checksum_file(path, chunk_bytes, pool) for path in paths]
         for done in syncs:
             done.result()
     return entries
 
 
-def _checksum_file(path: Path) -> dict[str, Any]:
+def _checksum_file(path: Path, chunk_bytes: int, pool: ThreadPoolExecutor) -> dict[str, Any]:
     # mmap: a just-written file is in the page cache, so this checksums it without copying it.
     with open(path, "rb") as file:
         size = os.fstat(file.fileno()).st_size
-        crc = 0
-        if size:
-            with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as view:
-                crc = zlib.crc32(view)
-    return {"size": size, "crc32": f"{crc:08x}"}
+        if not size:
+            return {"size": 0, "crc32": []}
+        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
+            starts = range(0, size, chunk_bytes)
+            crcs = list(pool.map(lambda start: zlib.crc32(view[start : start + chunk_bytes]), starts))
+    return {"size": size, "crc32": [f"{crc:08x}" for crc in crcs]}
 
 
 def _fsync_file(path: Path) -> None:
@@ -265,6 +270,9 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
         manifest = json.loads(manifest_path.read_text())
         version = manifest.get("format_version")
         files = manifest["files"]
+        chunk_bytes = int(manifest["chunk_bytes"])
+        if chunk_bytes < 1:
+            raise ValueError(f"chunk_bytes={chunk_bytes}")
     except (ValueError, AttributeError, KeyError, TypeError) as error:
         raise CheckpointError(f"{manifest_path} is not a valid checkpoint manifest ({error}).") from error
     if version != FORMAT_VERSION:
@@ -280,20 +288,22 @@ def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
                 f"checkpoint file {directory / name} is missing: {MANIFEST_NAME} lists it, so the checkpoint "
                 "was changed after it was saved. Restore the file or load another checkpoint."
             )
-    actual = _checksum_files([directory / name for name in names], sync=False)
-    for name, found in zip(names, actual):
-        expected = files[name]
-        path = directory / name
-        if found["size"] != expected["size"]:
+        size, expected = (directory / name).stat().st_size, files[name]["size"]
+        if size != expected:
             raise CheckpointError(
-                f"checkpoint file {path} has {found['size']} bytes but {MANIFEST_NAME} records "
-                f"{expected['size']} (truncated?). Restore the file or load another checkpoint."
+                f"checkpoint file {directory / name} has {size} bytes but {MANIFEST_NAME} records {expected} "
+                "(truncated?). Restore the file or load another checkpoint."
             )
-        if found["crc32"] != expected["crc32"]:
+    actual = _checksum_files([directory / name for name in names], chunk_bytes, sync=False)
+    for name, found in zip(names, actual):
+        expected = files[name]["crc32"]
+        differing = [index for index, (a, b) in enumerate(zip(found["crc32"], expected)) if a != b]
+        if differing or len(found["crc32"]) != len(expected):
+            start = differing[0] * chunk_bytes if differing else 0
             raise CheckpointError(
-                f"checkpoint file {path} does not match its checksum in {MANIFEST_NAME} (crc32 "
-                f"{found['crc32']}, expected {expected['crc32']}): it was edited or corrupted after saving. "
-                "Restore the file or load another checkpoint."
+                f"checkpoint file {directory / name} does not match its checksums in {MANIFEST_NAME} (first "
+                f"difference in bytes {start}-{start + chunk_bytes - 1}): it was edited or corrupted after "
+                "saving. Restore the file or load another checkpoint."
             )
     return manifest
 
