@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -108,7 +109,8 @@ class Accelerator:
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
         self._dataloaders: list[DataLoader] = []
-        self._prepared_ids: set[int] = set()
+        # Weak: a prepared object that was freed must not be mistaken for a new one at its address.
+        self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._item_count = ItemCount()  # items behind summed losses, see backward(num_items=...)
         self._custom_objects: list[Any] = []
         self.project_configuration = project_config or ProjectConfiguration()
@@ -206,7 +208,7 @@ class Accelerator:
         return result[0] if len(result) == 1 else tuple(result)
 
     def _check_preparable(self, obj: Any) -> None:
-        if id(obj) in self._prepared_ids or isinstance(obj, _PREPARED_TYPES):
+        if obj in self._prepared or isinstance(obj, _PREPARED_TYPES):
             raise ValueError(
                 f"this {type(obj).__name__} was already prepared: prepare() each model, optimizer, scheduler "
                 "and data loader once, and use the object prepare() returned."
@@ -230,7 +232,7 @@ class Accelerator:
         return prepared
 
     def _remember(self, original: Any, prepared: Any) -> None:
-        self._prepared_ids.update((id(original), id(prepared)))
+        self._prepared.update((original, prepared))
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
         """Move `model` to the device and wrap it in DistributedDataParallel when processes > 1."""

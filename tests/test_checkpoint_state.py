@@ -1,0 +1,158 @@
+"""save_state / load_state / save_model in one process: what goes in, what comes back, and the errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_model
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Accelerator, CheckpointError, ProjectConfiguration
+
+pytestmark = pytest.mark.usefixtures("fresh_state")
+
+
+class Counter:
+    """A user object with state, registered for checkpointing."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def state_dict(self) -> dict:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.value = state["value"]
+
+
+class TiedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(x))
+
+
+def build(project_dir, **accelerator_kwargs):
+    accelerator = Accelerator(
+        cpu=True,
+        project_config=ProjectConfiguration(project_dir=str(project_dir), total_limit=2),
+        **accelerator_kwargs,
+    )
+    torch.manual_seed(0)
+    model = nn.Linear(3, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    loader = DataLoader(TensorDataset(torch.randn(16, 3), torch.randn(16, 1)), batch_size=2, shuffle=True)
+    counter = Counter()
+    accelerator.register_for_checkpointing(counter)
+    return accelerator, counter, accelerator.prepare(model, optimizer, loader, scheduler)
+
+
+def train_steps(accelerator, prepared, steps: int):
+    """Train `steps` optimizer steps from the start of an epoch; return the epoch's iterator."""
+    model, optimizer, loader, scheduler = prepared
+    iterator = iter(loader)
+    for _ in range(steps * accelerator.gradient_accumulation_steps):
+        x, y = next(iterator)
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    return iterator
+
+
+def test_round_trip_restores_everything_and_the_loader_continues_mid_epoch(tmp_path):
+    accelerator, counter, prepared = build(tmp_path, gradient_accumulation_steps=2)
+    iterator = train_steps(accelerator, prepared, 2)
+    counter.value = 41
+    directory = accelerator.save_state()
+    assert directory == tmp_path / "checkpoints" / "checkpoint_2"
+    expected_params = [p.detach().clone() for p in prepared[0].parameters()]
+    expected_rest = [x for x, _ in iterator]  # the remaining batches of the interrupted epoch
+
+    accelerator2, counter2, prepared2 = build(tmp_path, gradient_accumulation_steps=2)
+    assert accelerator2.load_state() == directory
+    assert counter2.value == 41
+    assert accelerator2.optimizer_steps == 2
+    assert prepared2[3].get_last_lr() == prepared[3].get_last_lr()
+    assert all(torch.equal(a, b) for a, b in zip(expected_params, prepared2[0].parameters()))
+    assert prepared2[1].state_dict()["state"][0]["step"] == 2
+    rest = [x for x, _ in prepared2[2]]
+    assert len(rest) == len(expected_rest) == 8 - 4
+    assert all(torch.equal(a, b) for a, b in zip(rest, expected_rest))
+
+
+def test_automatic_naming_keeps_total_limit_newest(tmp_path):
+    accelerator, _, prepared = build(tmp_path)
+    for _ in range(3):
+        train_steps(accelerator, prepared, 1)
+        accelerator.save_state()
+    assert [p.name for p in accelerator.checkpoints()] == ["checkpoint_2", "checkpoint_3"]
+
+
+def test_load_without_a_checkpoint(tmp_path):
+    accelerator, _, _ = build(tmp_path)
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        accelerator.load_state()
+    assert accelerator.load_state(missing_ok=True) is None
+    no_project = Accelerator(cpu=True)
+    with pytest.raises(ValueError, match="no project directory"):
+        no_project.save_state()
+
+
+def test_checkpoint_of_another_run_layout_is_refused_naming_the_files(tmp_path):
+    accelerator, _, _ = build(tmp_path)
+    directory = accelerator.save_state(tmp_path / "small")
+    accelerator2, _, _ = build(tmp_path / "other")
+    accelerator2.prepare(nn.Linear(2, 2))  # one more model than the saved run had
+    with pytest.raises(CheckpointError, match="model_1.pt"):
+        accelerator2.load_state(directory)
+
+
+def test_edited_checkpoint_is_refused_naming_the_file(tmp_path):
+    accelerator, _, _ = build(tmp_path)
+    directory = accelerator.save_state(tmp_path / "ckpt")
+    with open(directory / "optimizer_0.pt", "r+b") as file:
+        file.seek(40)
+        byte = file.read(1)
+        file.seek(40)
+        file.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CheckpointError, match="optimizer_0.pt"):
+        accelerator.load_state(directory)
+
+
+def test_register_for_checkpointing_needs_state_dict_methods(tmp_path):
+    accelerator, _, _ = build(tmp_path)
+    with pytest.raises(TypeError, match="str.*state_dict"):
+        accelerator.register_for_checkpointing("not stateful")
+
+
+def test_fp16_scaler_state_is_saved(tmp_path):
+    accelerator = Accelerator(cpu=True, mixed_precision="fp16")
+    model, optimizer = accelerator.prepare(
+        nn.Linear(3, 1), torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1)
+    )
+    accelerator.backward(model(torch.ones(1, 3)).sum())  # the scaler creates its scale on first use
+    accelerator.scaler.update(new_scale=128.0)
+    directory = accelerator.save_state(tmp_path / "ckpt")
+    accelerator.scaler.update(new_scale=4.0)
+    accelerator.load_state(directory)
+    assert accelerator.scaler.get_scale() == 128.0
+
+
+def test_save_model_writes_safetensors_loadable_without_unison(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(0)
+    model = accelerator.prepare(TiedModel())
+    path = accelerator.save_model(model, tmp_path / "export")
+    assert path == tmp_path / "export" / "model.safetensors"
+    fresh = TiedModel()
+    load_model(fresh, str(path))
+    assert fresh.head.weight is fresh.embed.weight
+    assert torch.equal(fresh.embed.weight, accelerator.unwrap_model(model).embed.weight)
