@@ -35,8 +35,24 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[name] - b[name]).abs().max().item() for name in a)
 
 
+def workers_of(project: Path) -> list[int]:
+    """Pids of the live processes whose command line names `project` (the launcher and its workers)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and str(project).encode() in (entry / "cmdline").read_bytes():
+                pids.append(int(entry.name))
+        except OSError:
+            continue  # ended while we looked
+    return pids
+
+
 def kill_after_checkpoint(nproc: int, project: Path, out: Path, accum: int, step: int, delay: float) -> None:
-    """Start a run, wait until checkpoint_<step> exists, then SIGKILL every process of the launch."""
+    """Start a run, wait until checkpoint_<step> exists, then SIGKILL the launcher.
+
+    The workers must die with it (the kernel kills them when the launcher goes, see state.py): a
+    surviving worker would go on training and writing checkpoints beside the resumed run.
+    """
     command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(nproc), "--cpu", str(WORKER)]
     command += ["--project", str(project), "--out", str(out), "--accum", str(accum), "--step-sleep", "0.2"]
     process = subprocess.Popen(
@@ -55,8 +71,12 @@ def kill_after_checkpoint(nproc: int, project: Path, out: Path, accum: int, step
             time.sleep(0.02)
         time.sleep(delay)
     finally:
-        os.killpg(process.pid, signal.SIGKILL)
+        os.kill(process.pid, signal.SIGKILL)
         process.wait()
+    deadline = time.monotonic() + 10
+    while workers_of(project) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert workers_of(project) == [], "workers outlived their SIGKILLed launcher"
     assert not out.exists(), "the run finished before the kill: the test proved nothing"
 
 

@@ -71,7 +71,7 @@ def test_every_split_consumes_the_same_shuffled_samples_per_step(trained):
 
 @pytest.mark.parametrize("run, tolerance", [("mean_sgd", 1e-5), ("mean_adamw", 1e-4)])
 def test_mean_loss_parameters_agree_across_splits(trained, run, tolerance):
-    # measured: SGD 5e-8 (N=2) / 6e-8 (N=4); AdamW 3.7e-5 / 2.7e-5 (Adam amplifies rounding noise)
+    # measured: SGD 3e-8 (N=2) / 6e-8 (N=4); AdamW 5.2e-5 / 3.3e-5 (Adam amplifies rounding noise)
     states, records = load(trained, run)
     for n in (2, 4):
         assert max_diff(states[n], states[1]) < tolerance, (run, n)
@@ -84,7 +84,7 @@ def test_num_items_gives_the_global_token_mean_on_every_split(trained):
     reference, reference_norms = worker.reference_items(records[1]["step_ids"], micro_batch=8)
     # the clip threshold clips some steps and not others, so a wrong gradient scale shows
     assert min(reference_norms) < worker.MAX_NORM < max(reference_norms)
-    for n in SPLITS:  # measured: 6e-8, 6e-8, 1.2e-7
+    for n in SPLITS:  # measured: 7.5e-8, 7.8e-8, 8.9e-8
         assert max_diff(states[n], reference) < 1e-5, n
         # clip_grad_norm_ on the sync step saw the normalised gradients
         assert records[n]["grad_norms"] == pytest.approx(reference_norms, rel=1e-5), n
@@ -98,7 +98,7 @@ def test_naive_per_micro_batch_mean_depends_on_the_split(trained):
     global_mean_in_pieces, _ = worker.reference_items(steps, micro_batch=2)
     naive_pieces, _ = worker.reference_items(steps, micro_batch=2, normalisation="per_micro_batch")
     assert max_diff(global_mean_in_pieces, global_mean) < 1e-5
-    assert max_diff(naive_pieces, global_mean) > 1e-2  # measured: 0.12
+    assert max_diff(naive_pieces, global_mean) > 1e-2  # measured: 0.16
 
 
 # -- in-process: the contract of backward(num_items=...) --------------------------------------------

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import ctypes
 import enum
 import functools
 import json
 import logging
 import os
+import signal
 import sys
 import time
 import traceback
@@ -90,6 +92,23 @@ def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(f"unison/attempt{attempt}/", store)
 
 
+def _end_with_the_launcher() -> None:
+    """Under torchrun / `unison launch` on Linux, have the kernel SIGKILL this worker when its launcher dies.
+
+    torch's elastic agent starts each worker in a session of its own, so when the agent itself is
+    killed (SIGKILL, the OOM killer, a scheduler's kill) the workers would live on as orphans: still
+    training, still writing checkpoints, racing the restarted job. PR_SET_PDEATHSIG ties each worker
+    to the agent that started it.
+    """
+    if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
+        return
+    launcher = os.getppid()
+    pr_set_pdeathsig = 1
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher:  # the launcher died before the line above took effect
+        os._exit(1)
+
+
 def _exit_whole_process_on_uncaught_error() -> None:
     """Make an uncaught exception end this process at once, so its peers fail fast instead of hanging.
 
@@ -154,6 +173,7 @@ class PartialState:
             self._check_compatible(cpu, timeout)
             return
         layout = detect_layout()
+        _end_with_the_launcher()
         self.layout = layout
         self.timeout = _as_timedelta(timeout)
         self.cpu = cpu_requested
