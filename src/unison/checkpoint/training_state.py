@@ -11,6 +11,7 @@ made atomic and verifiable by `storage.write_checkpoint`, and everything loads w
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -66,39 +67,53 @@ def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
     return directory
 
 
-def _verify_on_main_process(directory: Path) -> dict[str, Any]:
-    """Check the checkpoint once (reading every file on every process would cost N times) and give
-    every process the verdict, so a bad checkpoint raises the same error on each of them."""
-    state = PartialState()
-    manifest, error = None, None
-    if state.is_main_process:
+def _checked_on_main_process(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
+    """(manifest, None) when the checkpoint is intact, else (None, the reason)."""
+    try:
+        return verify_checkpoint(directory), None
+    except CheckpointError as exc:
+        return None, str(exc)
+
+
+def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any], BaseException | None]:
+    """Load the named files; the first failure is returned, not raised, for after the check."""
+    loaded: dict[str, Any] = {}
+    for name in names:
         try:
-            manifest = verify_checkpoint(directory)
-        except CheckpointError as exc:
-            error = str(exc)
-    manifest, error = ops.broadcast_object_list([manifest, error], from_process=0)
-    if error is not None:
-        raise CheckpointError(error)
-    return manifest
+            loaded[name] = load_object(directory / name, map_location=device)
+        except Exception as exc:  # judged once the checksums are known: a damaged file explains it best
+            return loaded, exc
+    return loaded, None
 
 
 def load_training_state(accelerator: Accelerator, directory: Path) -> None:
-    """Restore everything `save_training_state` wrote, into the objects this Accelerator prepared."""
-    manifest = _verify_on_main_process(directory)
+    """Restore everything `save_training_state` wrote, into the objects this Accelerator prepared.
+
+    The main process checks every file's size and checksum while all processes read theirs (one
+    read of each file on each process, not one to check and one to load); nothing is applied until
+    the check has passed, and a failed check raises the same error on every process.
+    """
+    state = PartialState()
     parts = _replicated_parts(accelerator)
-    saved = set(manifest["files"])
-    expected = set(parts) | {COUNTERS_FILE}
-    missing = sorted(name for name in expected if name not in saved)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        check = pool.submit(_checked_on_main_process, directory) if state.is_main_process else None
+        loaded, read_error = _read(directory, [*parts, COUNTERS_FILE], accelerator.device)
+        verdict = check.result() if check is not None else None
+    manifest, error = ops.broadcast_object_list(list(verdict or (None, None)), from_process=0)
+    if error is not None:
+        raise CheckpointError(error)
+    missing = sorted(name for name in [*parts, COUNTERS_FILE] if name not in manifest["files"])
     if missing:
         raise CheckpointError(
             f"{directory} has no {', '.join(missing)}: it was saved from a run that prepared fewer models, "
             "optimizers, schedulers, data loaders or registered objects (or another precision) than this "
-            "one. "
-            "Prepare the same objects, in the same order, as the run that saved it."
+            "one. Prepare the same objects, in the same order, as the run that saved it."
         )
+    if read_error is not None:
+        raise read_error
     for name, part in parts.items():
-        part.load_state_dict(load_object(directory / name, map_location=accelerator.device))
-    counters = load_object(directory / COUNTERS_FILE)
+        part.load_state_dict(loaded[name])
+    counters = loaded[COUNTERS_FILE]
     accelerator.step = counters["step"]
     for optimizer, steps in zip(accelerator._optimizers, counters["optimizer_steps"]):
         optimizer.num_steps_taken = steps
