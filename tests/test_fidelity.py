@@ -18,6 +18,7 @@ import pytest
 import torch
 from launching import WORKERS, launch_ok
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, GradScalerKwargs
 
@@ -165,6 +166,27 @@ def test_num_items_with_fp16_keeps_the_loss_scale_until_unscaling(fresh_state, c
         torch.testing.assert_close(got_scaled / scale, want, rtol=1e-2, atol=1e-4)
         torch.testing.assert_close(got, want, rtol=1e-2, atol=1e-4)
     assert not accelerator.optimizer_step_was_skipped
+
+
+def test_a_short_last_window_is_divided_by_its_own_items(fresh_state):
+    """4 micro-batches with accumulation 3: the loader's end closes a second window of one micro-batch."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=3)
+    model = nn.Linear(FEATURES, CLASSES)
+    x, y = (torch.cat(parts) for parts in zip(*token_batches(2)))
+    model, loader = accelerator.prepare(model, DataLoader(TensorDataset(x, y), batch_size=2))
+    windows = []
+    for xb, yb in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(*summed_loss(model, xb, yb))
+            if accelerator.sync_gradients:
+                windows.append([p.grad.clone() for p in model.parameters()])
+                model.zero_grad()
+    assert len(windows) == 2
+    for got, rows in zip(windows, (slice(0, 6), slice(6, 8))):
+        nn.functional.cross_entropy(model(x[rows]), y[rows], ignore_index=worker.IGNORE).backward()
+        for g, p in zip(got, model.parameters()):
+            torch.testing.assert_close(g, p.grad, rtol=1e-6, atol=1e-7)
+        model.zero_grad()
 
 
 def test_mixing_backward_with_and_without_num_items_in_one_window_is_refused(fresh_state):

@@ -360,6 +360,8 @@ class Accelerator:
         if self.precision.scaler is not None:
             loss = self.precision.scaler.scale(loss)
         loss.backward(**kwargs)
+        if counted is not None:
+            self._item_count.add(counted)
         if self.sync_gradients:
             if counted is not None:
                 self._normalise_by_item_count()

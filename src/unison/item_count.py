@@ -60,7 +60,7 @@ class ItemCount:
         self.counting: bool | None = None  # None: no backward yet in this window
 
     def begin_backward(self, num_items: object) -> NumItems | None:
-        """Check one backward call against the window's earlier ones and count its items.
+        """Check one backward call against the window's earlier ones; num_items checked, or None.
 
         Raises before anything is back-propagated, so a refused call leaves the gradients untouched.
         """
@@ -74,13 +74,13 @@ class ItemCount:
                 "by gradient_accumulation_steps; the two cannot be combined. Pass num_items on every "
                 "backward() call (each loss a sum over its items), or on none."
             )
-        if not counting:
-            self.counting = False
-            return None
-        checked = _checked(num_items)
-        self.counting = True
-        self.local_total = self.local_total + checked
+        checked = _checked(num_items) if counting else None
+        self.counting = counting
         return checked
+
+    def add(self, num_items: NumItems) -> None:
+        """Count items whose gradients are now accumulated (called after their backward succeeded)."""
+        self.local_total = self.local_total + num_items
 
     def end_window(self) -> None:
         """Forget the window: the next backward call starts a new one."""
