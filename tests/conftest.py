@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from unison import AcceleratorState, GradientState, PartialState, launch_env
+
+# In-process tests use tiny tensors: one thread avoids oversubscribing the 2-core CI machine (measured:
+# a reference run took 1-5 s with 2 threads under load, 15-30 ms with one).
+torch.set_num_threads(1)
 
 _STATES = (PartialState, AcceleratorState, GradientState)
 _LAUNCHER_VARIABLES = (

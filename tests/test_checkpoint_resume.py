@@ -47,14 +47,15 @@ def workers_of(project: Path) -> list[int]:
     return pids
 
 
-def kill_after_checkpoint(nproc: int, project: Path, out: Path, accum: int, step: int, delay: float) -> None:
-    """Start a run, wait until checkpoint_<step> exists, then SIGKILL the launcher.
+def kill_at(nproc: int, project: Path, out: Path, accum: int, marker: str, delay: float = 0.0) -> None:
+    """Start a run, wait until project/checkpoints/<marker> exists, then SIGKILL the launcher.
 
     The workers must die with it (the kernel kills them when the launcher goes, see state.py): a
     surviving worker would go on training and writing checkpoints beside the resumed run.
     """
     command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(nproc), "--cpu", str(WORKER)]
     command += ["--project", str(project), "--out", str(out), "--accum", str(accum), "--step-sleep", "0.2"]
+    command += ["--ballast-mb", "64"]
     process = subprocess.Popen(
         command,
         cwd=REPO_ROOT,
@@ -65,10 +66,10 @@ def kill_after_checkpoint(nproc: int, project: Path, out: Path, accum: int, step
     )
     deadline = time.monotonic() + 120
     try:
-        while not (project / "checkpoints" / f"checkpoint_{step}" / "manifest.json").exists():
+        while not (project / "checkpoints" / marker).exists():
             assert process.poll() is None, "the run ended before it was killed"
             assert time.monotonic() < deadline, "no checkpoint appeared within 120 s"
-            time.sleep(0.02)
+            time.sleep(0.002)
         time.sleep(delay)
     finally:
         os.kill(process.pid, signal.SIGKILL)
@@ -83,13 +84,16 @@ def kill_after_checkpoint(nproc: int, project: Path, out: Path, accum: int, step
 @pytest.mark.parametrize("nproc, accum", [(1, 4), (2, 2)], ids=["1proc", "2proc"])
 def test_sigkilled_run_resumes_bit_identical(tmp_path, nproc, accum):
     reference = tmp_path / "reference.pt"
-    train(nproc, tmp_path / "reference", reference, accum)
+    train(nproc, tmp_path / "reference", reference, accum, "--ballast-mb", "64")
 
     project, out = tmp_path / "killed", tmp_path / "killed.pt"
-    # Two kills at different moments (one right after a save completes, one a little later), then a full run.
-    kill_after_checkpoint(nproc, project, out, accum, step=2, delay=0.0)
-    kill_after_checkpoint(nproc, project, out, accum, step=6, delay=0.25)
-    train(nproc, project, out, accum)
+    # Three kills: during the save of checkpoint_4 (its temporary folder exists, the manifest does not),
+    # right after checkpoint_6 is complete, and between two saves; then a run to the end.
+    kill_at(nproc, project, out, accum, ".checkpoint_4.tmp")
+    assert not (project / "checkpoints" / "checkpoint_4").exists(), "the kill did not land during the save"
+    kill_at(nproc, project, out, accum, "checkpoint_6/manifest.json")
+    kill_at(nproc, project, out, accum, "checkpoint_8/manifest.json", delay=0.25)
+    train(nproc, project, out, accum, "--ballast-mb", "64")
     assert_bit_identical(params(out), params(reference))
 
 

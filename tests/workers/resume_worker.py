@@ -23,6 +23,19 @@ SAMPLES = 80  # 5 optimizer steps per epoch at a global batch of 16 samples
 MICRO_BATCH = 4
 
 
+class Ballast:
+    """Constant bytes in every checkpoint, so a save lasts long enough for a test to kill it mid-way."""
+
+    def __init__(self, megabytes: int) -> None:
+        self.data = torch.zeros(megabytes * 2**18)
+
+    def state_dict(self) -> dict:
+        return {"data": self.data}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.data = state["data"]
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--project", required=True)
@@ -32,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--dropout", type=float, default=0.1)
     parser.add_argument("--save-every", type=int, default=2)
     parser.add_argument("--stop-after", type=int, default=None, help="exit cleanly after this optimizer step")
+    parser.add_argument("--ballast-mb", type=int, default=0, help="extra checkpointed MB (slower saves)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill window)")
     return parser.parse_args()
 
@@ -56,6 +70,7 @@ def main() -> None:
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=3, gamma=0.7)
     loader = DataLoader(dataset, batch_size=MICRO_BATCH, shuffle=True)
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    accelerator.register_for_checkpointing(Ballast(args.ballast_mb))
     accelerator.load_state(missing_ok=True)
 
     for epoch in range(loader.epoch, EPOCHS):
