@@ -15,12 +15,13 @@ does hits all three alike:
   directory and its parent (so the new names survive a crash too).
 - **unison**: `accelerator.save_state(dir)` / `accelerator.load_state(dir)`: the same three files plus
   counters and RNG state, written into `.<dir>.tmp`, every file fsynced and CRC-32-checksummed,
-  manifest.json written and fsynced, renamed into place; loading verifies every file's size and
-  checksum, then loads each with weights_only=True.
+  manifest.json written and fsynced, renamed into place; loading reads every file (weights_only=True)
+  while a thread checks every file's size and checksums, and applies them once the check has passed.
 
-Target: unison within 1.2x of plain+fsync, the plain call with the same durability. Against plain
-without fsync the ratio is reported too: it is the price of durability (and it depends mostly on the
-disk). Before every timed save and load, `os.sync()` (untimed) flushes what earlier work left dirty,
+Target: unison within 1.2x of the plain call that does the same: for saves plain+fsync (the same
+durability; against plain without fsync the ratio is printed too: the price of durability, which
+depends mostly on the disk), for loads the plain loads (the same code after either plain save,
+pooled). Before every timed save and load, `os.sync()` (untimed) flushes what earlier work left dirty,
 so no measurement pays for another's writeback. Each checkpoint is loaded twice: from the page cache
 (as right after saving), then from the disk, its pages evicted first (posix_fadvise DONTNEED, on
 clean pages), as when a new process resumes from an old checkpoint.
