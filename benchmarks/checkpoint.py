@@ -34,11 +34,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import functools
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -52,6 +50,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))
+from machine import describe_machine  # noqa: E402  (benchmarks/, the script's own folder)
 from model import GPT, GPTConfig  # noqa: E402
 
 from unison import Accelerator  # noqa: E402
@@ -179,29 +178,6 @@ def disk(path: Path) -> dict:
     return info
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        cpu = next(
-            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
-        )
-    memory_kb = None
-    with contextlib.suppress(OSError, StopIteration):
-        memory_kb = int(
-            next(line for line in open("/proc/meminfo") if line.startswith("MemTotal")).split()[1]
-        )
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "memory_gb": None if memory_kb is None else round(memory_kb / 1e6, 1),
-        "threads": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "date": datetime.date.today().isoformat(),
-    }
-
-
 def main() -> None:
     args = parse_args()
     torch.manual_seed(0)
@@ -262,7 +238,7 @@ def main() -> None:
 
 
 def report(args, samples, sizes, model_bytes, pieces, disk_info) -> None:
-    info = machine()
+    info = describe_machine()
     medians = {v: {kind: statistics.median(samples[v][kind]) for kind in KINDS} for v in VARIANTS}
     # what unison is held to: a save with the same durability (plain+fsync); for loads, which are the
     # same code after either plain save, every plain load (both variants pooled)

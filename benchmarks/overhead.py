@@ -22,10 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime
 import json
-import os
-import platform
 import statistics
 import sys
 import time
@@ -39,6 +36,7 @@ from torch.utils.data import DataLoader, DistributedSampler, Subset
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))
 from data import CharTokenizer, CharWindows, load_corpus, train_val_split  # noqa: E402
+from machine import describe_machine  # noqa: E402  (benchmarks/, the script's own folder)
 from model import GPT, GPTConfig  # noqa: E402
 
 DEVICE = torch.device("cpu")  # both loops train on the CPU over gloo (the Accelerator gets cpu=True)
@@ -142,23 +140,6 @@ def batches_per_second(loader: DataLoader, set_epoch, epochs: range, to_device: 
     return count / (time.perf_counter() - start)
 
 
-def machine() -> dict:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError):
-        cpu = next(
-            line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")
-        )
-    return {
-        "cpu": cpu,
-        "cores": os.cpu_count(),
-        "threads_per_process": torch.get_num_threads(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "platform": platform.platform(),
-        "date": datetime.date.today().isoformat(),
-    }
-
-
 def main() -> None:
     args = parse_args()
     # raw: what train_gpt2.py does by hand (the launcher set RANK, WORLD_SIZE, MASTER_ADDR/PORT)
@@ -255,7 +236,7 @@ def report(args, step_times, losses, loader_rates, batches_per_epoch, world_size
         statistics.median(step_times["unison"][i : i + n]) / statistics.median(step_times["raw"][i : i + n])
         for i in range(0, len(step_times["raw"]), n)
     ]
-    info = machine()
+    info = describe_machine()
     print(
         f"unison overhead: {world_size} processes on {info['cores']} cores ({info['cpu']}), "
         f"torch {info['torch']}, {info['date']}\n"
