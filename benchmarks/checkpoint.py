@@ -198,6 +198,8 @@ def main() -> None:
     parts = {"model_0.pt": model, "optimizer_0.pt": optimizer, "scheduler_0.pt": scheduler}  # unison's names
     model_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
 
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
     root = Path(tempfile.mkdtemp(prefix="unison_ckpt_bench_", dir=args.dir))
     counter = iter(range(10**9))
 

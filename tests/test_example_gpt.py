@@ -6,6 +6,8 @@ import copy
 import importlib.util
 import math
 import re
+import shutil
+import subprocess
 import sys
 
 import pytest
@@ -154,3 +156,33 @@ def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_st
     assert "trained 6 steps" in result.stdout
     assert result.stdout.count("---- sample ----") == 1
     assert not any(line.startswith("[rank1]:") and "loss" in line for line in lines)
+
+
+def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
+    """Checkpoints at steps 4 and 6; drop the last, resume from step 4: steps 5-6 end exactly as before."""
+    tiny = ["--max-steps", "6", "--batch-size", "4", "--block-size", "16", "--n-layer", "1", "--n-head", "2"]
+    tiny += ["--n-embd", "32", "--log-interval", "1", "--eval-interval", "6", "--eval-batches", "2"]
+    tiny += ["--sample-chars", "0", "--save-every", "2", "--project-dir", str(tmp_path)]
+
+    def train(*extra: str) -> str:
+        result = subprocess.run(
+            [sys.executable, str(EXAMPLE / "train.py"), *tiny, *extra],
+            cwd=REPO_ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    first = train()
+    shutil.rmtree(tmp_path / "checkpoints" / "checkpoint_6")
+    resumed = train("--resume")
+    assert "resumed at step 4, epoch 0" in resumed
+    assert [line for line in resumed.splitlines() if "| loss " in line][0].startswith("step     5/6")
+
+    def tail(out: str) -> list[str]:  # the loss and val loss lines of steps 5 and 6, without timings
+        lines = [line for line in out.splitlines() if re.match(r"step +[56]/6", line)]
+        return [line.split(" | lr")[0] if "| loss " in line else line for line in lines]
+
+    assert tail(resumed) == tail(first) and len(tail(first)) == 3
