@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import env, launch
+from . import env, estimate_memory, launch
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -20,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     launch.register(subcommands)
     env.register(subcommands)
+    estimate_memory.register(subcommands)
     return parser
 
 

@@ -1,0 +1,338 @@
+"""Memory per device for each strategy, estimated from a model's shape before anything is allocated.
+
+The model is built on the meta device (`with torch.device("meta"):`), so a 70B-parameter model costs
+no memory and about a second; only its parameter count and a few shape facts are read. All formulas
+live here, in one place, so the `estimate-memory` command and the planner agree.
+
+Model state (design.md §3; Rajbhandari et al. 2020, "ZeRO", section 3.1), with Ψ the parameter count,
+N the number of devices, and per precision p/g/o = bytes per parameter of parameters, gradients and
+Adam state (fp32: 4/4/8; bf16 mixed precision with fp32 master weights: 2/2/12, the ZeRO paper's
+2+2+K with K=12; plain bf16 with bf16 Adam moments: 2/2/4):
+
+    single device, DDP   pΨ + gΨ + oΨ
+    ZeRO-1               pΨ + gΨ + oΨ/N
+    ZeRO-2               pΨ + (g + o)Ψ/N
+    ZeRO-3               (p + g + o)Ψ/N
+    TP, PP of degree N   ~(p + g + o)Ψ/N   (an estimate: layer norms, biases and uneven stages differ)
+
+Gradients and Adam state count only trainable parameters; Ψ/N is rounded up, as sharding pads.
+
+Activations per device (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4), for a transformer of L blocks with hidden size h, sequence length s
+and micro-batch b, per block, in bytes with e bytes per activation element (2 in bf16, 4 in fp32) and
+1-byte dropout masks:
+
+    s·b·h·(16e + 2)                  = 34·s·b·h in 16-bit, the paper's figure; with tensor parallel of
+                                       degree t: s·b·h·(4e + 2 + 12e/t) (= 10 + 24/t in 16-bit)
+    + a·s²·b·(2e + 1)/t              only when the attention score matrix is stored (a heads; the 5as²b
+                                       term); fused attention (torch SDPA flash / memory-efficient) does
+                                       not store it, which is the default here
+    + 4·s·b·V/t once                 fp32 logits of the output layer (V = vocabulary), when found
+
+DDP and ZeRO run one micro-batch per device through all L blocks; with 1F1B pipeline parallelism the
+first stage holds p micro-batches of its L/p blocks, the same total (the paper's observation).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import inspect
+import math
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+
+
+class TargetError(ValueError):
+    """A `module:factory` target that cannot be turned into an nn.Module."""
+
+
+@dataclass(frozen=True)
+class Precision:
+    name: str
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int  # Adam: first and second moment (+ fp32 master weights in mixed precision)
+    activation_bytes: int
+    description: str
+
+
+PRECISIONS: tuple[Precision, ...] = (
+    Precision("fp32", 4, 4, 8, 4, "fp32 parameters, gradients and Adam moments"),
+    Precision("bf16-mixed", 2, 2, 12, 2, "bf16 params/grads, fp32 master weights + Adam (ZeRO paper)"),
+    Precision("bf16", 2, 2, 4, 2, "bf16 everywhere, no master weights (bf16 Adam moments)"),
+)
+
+# name, label, whether the figure is an estimate rather than exact model-state arithmetic
+STRATEGIES: tuple[tuple[str, str, bool], ...] = (
+    ("single", "single device", False),
+    ("ddp", "DDP", False),
+    ("zero1", "ZeRO-1", False),
+    ("zero2", "ZeRO-2", False),
+    ("zero3", "ZeRO-3", False),
+    ("tp", "tensor parallel", True),
+    ("pp", "pipeline parallel", True),
+)
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the estimate needs from a model; `layers`/`hidden` are None when it is no transformer."""
+
+    parameters: int
+    trainable_parameters: int
+    blocks: str | None = None  # qualified name of the block list
+    layers: int | None = None
+    hidden: int | None = None
+    vocab: int | None = None
+
+
+@dataclass(frozen=True)
+class DeviceMemory:
+    """Bytes on one device for one precision and one strategy."""
+
+    precision: str
+    strategy: str
+    estimate: bool
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int | None
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + (self.activations or 0)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    shape: ModelShape
+    devices: int
+    micro_batch_size: int | None
+    seq_len: int | None
+    rows: tuple[DeviceMemory, ...]
+    notes: tuple[str, ...]
+
+
+def load_factory(target: str) -> Callable[[], object]:
+    """Resolve `module:factory` (dotted module or .py file path) to the callable it names.
+
+    A dotted module resolves against the current directory too (as with `python -m`); a file's own
+    folder becomes importable (as with `python file.py`), so a wrapper can `from model import GPT`.
+    """
+    module_part, colon, attribute = target.rpartition(":")
+    if not colon or not module_part or not attribute:
+        raise TargetError(
+            f"TARGET {target!r} is not of the form module:factory. Name a module or .py file and a "
+            "callable in it that returns an nn.Module, e.g. examples/gpt/my_model.py:build."
+        )
+    if module_part.endswith(".py") or os.sep in module_part or "/" in module_part:
+        path = os.path.abspath(module_part)
+        if not os.path.isfile(path):
+            raise TargetError(f"TARGET {target!r}: file {module_part!r} does not exist.")
+        name = "_unison_target_" + os.path.splitext(os.path.basename(path))[0]
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        if os.path.dirname(path) not in sys.path:
+            sys.path.insert(0, os.path.dirname(path))
+        sys.modules[name] = module  # dataclasses in the file look their module up here
+        try:
+            spec.loader.exec_module(module)
+        except Exception as error:
+            del sys.modules[name]
+            raise TargetError(f"TARGET {target!r}: importing {module_part!r} failed: {error!r}") from error
+    else:
+        if os.getcwd() not in sys.path:
+            sys.path.insert(0, os.getcwd())
+        try:
+            module = importlib.import_module(module_part)
+        except ModuleNotFoundError as error:
+            raise TargetError(
+                f"TARGET {target!r}: module {module_part!r} not found ({error}). Give a dotted module "
+                "importable from the current directory or a path to a .py file."
+            ) from error
+    factory = getattr(module, attribute, None)
+    if factory is None:
+        raise TargetError(f"TARGET {target!r}: {module_part!r} has no attribute {attribute!r}.")
+    if not callable(factory):
+        raise TargetError(f"TARGET {target!r}: {attribute!r} is a {type(factory).__name__}, not callable.")
+    return factory
+
+
+def build_on_meta(target: str) -> nn.Module:
+    """Call the target's factory with no arguments on the meta device: shapes only, no memory."""
+    factory = load_factory(target)
+    try:
+        required = [
+            p.name
+            for p in inspect.signature(factory).parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
+    except (TypeError, ValueError):  # builtins without a signature: just try the call
+        required = []
+    if required:
+        raise TargetError(
+            f"TARGET {target!r}: the factory needs arguments ({', '.join(required)}) but is called with "
+            "none. Write a small wrapper, e.g. `def build(): return GPT(GPTConfig(n_layer=32))`, and "
+            "point TARGET at it."
+        )
+    try:
+        with torch.device("meta"):
+            model = factory()
+    except Exception as error:
+        raise TargetError(
+            f"TARGET {target!r}: calling the factory on the meta device raised {error!r}. The factory "
+            "must only build the module (no data-dependent code, no loading of weights)."
+        ) from error
+    if not isinstance(model, nn.Module):
+        raise TargetError(
+            f"TARGET {target!r}: the factory returned a {type(model).__name__}, not an nn.Module."
+        )
+    return model
+
+
+def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
+    """The model's largest (by parameters) ModuleList/Sequential whose children share one class."""
+    best, best_size = None, 0
+    for name, module in model.named_modules():
+        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0:
+            if len({type(child) for child in module}) != 1:
+                continue
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = (name, module), size
+    return best
+
+
+def inspect_model(model: nn.Module) -> ModelShape:
+    """Parameter counts (tied weights once, as `model.parameters()` yields them) and transformer shape.
+
+    A model counts as a transformer when its block list's blocks hold a module whose class name says
+    attention (or nn.MultiheadAttention); the hidden size is the first Linear's input size in a block.
+    """
+    parameters = list(model.parameters())
+    total = sum(p.numel() for p in parameters)
+    trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
+    vocab = max((m.num_embeddings for m in embeddings), default=None)
+    found = find_blocks(model)
+    if found is None:
+        return ModelShape(total, trainable, vocab=vocab)
+    name, blocks = found
+    block = blocks[0]
+    has_attention = any(
+        isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
+        for m in block.modules()
+    )
+    linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
+    if not has_attention or not linears:
+        return ModelShape(total, trainable, blocks=name, vocab=vocab)
+    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab)
+
+
+def model_state_bytes(
+    strategy: str, precision: Precision, parameters: int, trainable: int, devices: int
+) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer) bytes per device: the table in design.md §3."""
+    full = (
+        precision.param_bytes * parameters,
+        precision.grad_bytes * trainable,
+        precision.optimizer_bytes * trainable,
+    )
+    param_shard = math.ceil(parameters / devices) * precision.param_bytes
+    grad_shard = math.ceil(trainable / devices) * precision.grad_bytes
+    optim_shard = math.ceil(trainable / devices) * precision.optimizer_bytes
+    if strategy in ("single", "ddp"):
+        return full
+    if strategy == "zero1":
+        return full[0], full[1], optim_shard
+    if strategy == "zero2":
+        return full[0], grad_shard, optim_shard
+    if strategy in ("zero3", "tp", "pp"):
+        return param_shard, grad_shard, optim_shard
+    raise ValueError(f"unknown strategy {strategy!r}; expected one of {[s for s, _, _ in STRATEGIES]}")
+
+
+def activation_bytes(
+    shape: ModelShape,
+    micro_batch_size: int,
+    seq_len: int,
+    element_bytes: int,
+    tensor_parallel: int = 1,
+    attention_heads: int | None = None,
+) -> int:
+    """Korthikanti et al. 2022 per-block activations × blocks, plus the fp32 logits (module docstring)."""
+    if shape.layers is None or shape.hidden is None:
+        raise ValueError("activations are estimated for transformers only; this model has no block list")
+    sbh = seq_len * micro_batch_size * shape.hidden
+    e, t = element_bytes, tensor_parallel
+    per_layer = sbh * (4 * e + 2) + sbh * 12 * e / t
+    if attention_heads:
+        per_layer += attention_heads * seq_len**2 * micro_batch_size * (2 * e + 1) / t
+    logits = 4 * seq_len * micro_batch_size * shape.vocab / t if shape.vocab else 0
+    return math.ceil(per_layer * shape.layers + logits)
+
+
+def estimate(
+    shape: ModelShape,
+    devices: int,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    attention_heads: int | None = None,
+) -> MemoryEstimate:
+    """Bytes per device for every precision in PRECISIONS and strategy in STRATEGIES at `devices`."""
+    if devices < 1:
+        raise ValueError(f"devices={devices}: need at least one device.")
+    if (micro_batch_size is None) != (seq_len is None):
+        raise ValueError(
+            f"micro_batch_size={micro_batch_size}, seq_len={seq_len}: activations need both; "
+            "give both or neither."
+        )
+    notes = [
+        "TP and PP rows are estimates: ~1/N of the model state (replicated norms/biases and uneven "
+        "stages add some)."
+    ]
+    with_activations = micro_batch_size is not None
+    if with_activations and shape.layers is None:
+        notes.append("not recognised as a transformer (no block list with attention): activations skipped.")
+        with_activations = False
+    elif with_activations:
+        notes.append(
+            f"activations: Korthikanti et al. 2022, {shape.layers} blocks ({shape.blocks}), hidden "
+            f"{shape.hidden}, no recomputation, "
+            + (f"attention scores stored ({attention_heads} heads)" if attention_heads else "fused attention")
+            + (f", fp32 logits over vocabulary {shape.vocab}" if shape.vocab else "")
+            + "; PP assumes 1F1B."
+        )
+    rows = []
+    for precision in PRECISIONS:
+        for strategy, _, is_estimate in STRATEGIES:
+            p, g, o = model_state_bytes(
+                strategy, precision, shape.parameters, shape.trainable_parameters, devices
+            )
+            activations = None
+            if with_activations:
+                activations = activation_bytes(
+                    shape,
+                    micro_batch_size,
+                    seq_len,
+                    precision.activation_bytes,
+                    tensor_parallel=devices if strategy == "tp" else 1,
+                    attention_heads=attention_heads,
+                )
+            rows.append(DeviceMemory(precision.name, strategy, is_estimate, p, g, o, activations))
+    return MemoryEstimate(shape, devices, micro_batch_size, seq_len, tuple(rows), tuple(notes))
+
+
+def format_bytes(count: float) -> str:
+    """Binary units with two decimals: 1536 -> '1.50 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(count) < 1024:
+            return f"{count:.0f} B" if unit == "B" else f"{count:.2f} {unit}"
+        count /= 1024
+    return f"{count:.2f} TiB"

@@ -1,0 +1,204 @@
+"""`unison.memory` and `unison estimate-memory`: the formulas against hand-computed bytes, meta builds."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from launching import REPO_ROOT
+
+from unison import memory
+from unison.commands.main import build_parser
+
+FP32, BF16_MIXED, BF16 = memory.PRECISIONS
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, hidden: int):
+        super().__init__()
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            setattr(self, name, nn.Linear(hidden, hidden, bias=False))
+
+
+class LlamaBlock(nn.Module):
+    """Llama-2-7B's block shapes (no forward needed: only shapes are read)."""
+
+    def __init__(self, hidden: int, intermediate: int):
+        super().__init__()
+        self.self_attn = LlamaAttention(hidden)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.input_layernorm = nn.RMSNorm(hidden)
+        self.post_attention_layernorm = nn.RMSNorm(hidden)
+
+
+class LlamaLike(nn.Module):
+    def __init__(self, layers: int = 32, hidden: int = 4096, intermediate: int = 11008, vocab: int = 32000):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(LlamaBlock(hidden, intermediate) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+def test_model_state_matches_hand_computed_bytes_for_1000_parameters():
+    by = {
+        (s, p.name): memory.model_state_bytes(s, p, 1000, 1000, 4)
+        for s, _, _ in memory.STRATEGIES
+        for p in memory.PRECISIONS
+    }
+    assert by["single", "fp32"] == by["ddp", "fp32"] == (4000, 4000, 8000)  # 16,000 bytes
+    assert by["zero1", "fp32"] == (4000, 4000, 2000)  # 8,000 + 2,000
+    assert by["zero2", "fp32"] == (4000, 1000, 2000)  # 4,000 + 3,000
+    assert by["zero3", "fp32"] == by["tp", "fp32"] == by["pp", "fp32"] == (1000, 1000, 2000)  # 4,000
+    assert by["ddp", "bf16-mixed"] == (2000, 2000, 12000)  # ZeRO paper: 2 + 2 + 12 = 16 bytes/param
+    assert by["zero1", "bf16-mixed"] == (2000, 2000, 3000)
+    assert by["zero3", "bf16-mixed"] == (500, 500, 3000)
+    assert by["ddp", "bf16"] == (2000, 2000, 4000)
+    # frozen parameters carry no gradients and no Adam state; shards round up like padded shards
+    assert memory.model_state_bytes("ddp", FP32, 1000, 600, 4) == (4000, 2400, 4800)
+    assert memory.model_state_bytes("zero3", FP32, 1001, 1001, 4) == (1004, 1004, 2008)
+    with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
+        memory.model_state_bytes("zero4", FP32, 1000, 1000, 4)
+
+
+def test_activation_formula_is_korthikanti_34sbh_in_16_bit():
+    shape = memory.ModelShape(parameters=0, trainable_parameters=0, blocks="h", layers=2, hidden=8)
+    s, b, h, L = 16, 3, 8, 2
+    assert memory.activation_bytes(shape, b, s, element_bytes=2) == 34 * s * b * h * L
+    assert memory.activation_bytes(shape, b, s, element_bytes=4) == 66 * s * b * h * L
+    assert memory.activation_bytes(shape, b, s, 2, tensor_parallel=4) == (10 + 24 / 4) * s * b * h * L
+    a = 2  # stored attention scores add 5·a·s²·b per block in 16-bit
+    assert (
+        memory.activation_bytes(shape, b, s, 2, attention_heads=a) == (34 * s * b * h + 5 * a * s * s * b) * L
+    )
+    with_vocab = memory.ModelShape(0, 0, "h", layers=2, hidden=8, vocab=100)
+    assert memory.activation_bytes(with_vocab, b, s, 2) == 34 * s * b * h * L + 4 * s * b * 100
+
+
+def test_real_model_counts_tied_weights_once_and_finds_its_blocks():
+    sys.path.insert(0, str(REPO_ROOT / "examples" / "gpt"))
+    try:
+        from model import GPT, GPTConfig
+    finally:
+        sys.path.pop(0)
+    model = GPT(GPTConfig(n_layer=3, n_embd=32, n_head=4, vocab_size=50, block_size=16))
+    shape = memory.inspect_model(model)
+    assert shape.parameters == sum(p.numel() for p in model.parameters()) == model.num_parameters()
+    untied = sum(p.numel() for _, p in model.named_parameters(remove_duplicate=False))
+    assert shape.parameters == untied - 50 * 32  # lm_head and wte share one matrix
+    assert (shape.blocks, shape.layers, shape.hidden, shape.vocab) == ("transformer.h", 3, 32, 50)
+    model.transformer.wpe.weight.requires_grad_(False)
+    assert memory.inspect_model(model).trainable_parameters == shape.parameters - 16 * 32
+
+
+def test_non_transformer_gets_no_activation_estimate():
+    mlp = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    shape = memory.inspect_model(mlp)
+    assert shape.parameters == 10 * 20 + 20 + 20 * 5 + 5 and shape.layers is None
+    result = memory.estimate(shape, devices=2, micro_batch_size=4, seq_len=8)
+    assert all(row.activations is None for row in result.rows)
+    assert any("not recognised as a transformer" in note for note in result.notes)
+    assert len(result.rows) == len(memory.PRECISIONS) * len(memory.STRATEGIES)
+
+
+def test_7b_llama_like_builds_on_meta_instantly(tmp_path):
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = LlamaLike()
+    shape = memory.inspect_model(model)
+    elapsed = time.perf_counter() - start
+    assert all(p.is_meta for p in model.parameters())
+    assert elapsed < 5, f"meta build of a 7B model took {elapsed:.1f} s"
+    hidden, inter, vocab = 4096, 11008, 32000
+    expected = 32 * (4 * hidden**2 + 3 * hidden * inter + 2 * hidden) + 2 * vocab * hidden + hidden
+    assert shape.parameters == expected and 6.5e9 < expected < 7e9
+    assert (shape.layers, shape.hidden, shape.vocab) == (32, 4096, 32000)
+    row = next(
+        r for r in memory.estimate(shape, 8).rows if (r.precision, r.strategy) == ("bf16-mixed", "zero3")
+    )
+    assert row.total == 16 * expected // 8
+
+
+FACTORIES = """\
+import torch.nn as nn
+
+def small():
+    return nn.Sequential(nn.Linear(10, 10), nn.Linear(10, 10))
+
+def needs_config(config):
+    return nn.Linear(config, config)
+
+def not_a_module():
+    return 42
+
+def broken():
+    raise RuntimeError("no weights on disk")
+"""
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "unison", "estimate-memory", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+def test_cli_json_and_clear_errors_for_bad_targets(tmp_path, capsys):
+    path = tmp_path / "factories.py"
+    path.write_text(FACTORIES)
+    result = run_cli(f"{path}:small", "--devices", "4", "--json")
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    assert report["model"]["parameters"] == 220 and report["devices"] == 4
+    rows = {(r["precision"], r["strategy"]): r for r in report["estimates"]}
+    assert rows["fp32", "ddp"]["total"] == 16 * 220
+    assert (rows["fp32", "zero1"]["parameters"], rows["fp32", "zero1"]["optimizer"]) == (880, 8 * 55)
+    assert rows["fp32", "zero3"]["total"] == 16 * 55 and rows["fp32", "zero3"]["activations"] is None
+
+    bad = {
+        "factories.py": "not of the form module:factory",
+        "no_such_module_xyz:build": "module 'no_such_module_xyz' not found",
+        f"{tmp_path}/missing.py:build": "does not exist",
+        f"{path}:absent": "has no attribute 'absent'",
+        f"{path}:needs_config": "needs arguments (config)",
+        f"{path}:not_a_module": "returned a int, not an nn.Module",
+        f"{path}:broken": "no weights on disk",
+    }
+    result = run_cli(f"{path}:needs_config")  # the real exit code of the real command
+    assert result.returncode == 2 and "needs arguments (config)" in result.stderr, result.stderr
+    for target, reason in bad.items():  # the rest in-process: a subprocess costs ~3 s here
+        args = build_parser().parse_args(["estimate-memory", target])  # main() minus its log handler
+        assert args.run(args) == 2, target
+        stderr = capsys.readouterr().err
+        assert target in stderr and reason in stderr, (target, stderr)
+
+
+def test_cli_table_on_the_gpt_example_with_activations(tmp_path):
+    wrapper = tmp_path / "gpt_wrapper.py"
+    wrapper.write_text(
+        textwrap.dedent(f"""\
+            import sys
+            sys.path.insert(0, {str(REPO_ROOT / "examples" / "gpt")!r})
+            from model import GPT, GPTConfig
+
+            def build():
+                return GPT(GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50304, block_size=1024))
+            """)
+    )
+    result = run_cli(f"{wrapper}:build", "--devices", "8", "--micro-batch-size", "4", "--seq-len", "1024")
+    assert result.returncode == 0, result.stderr
+    assert "124,475,904 parameters" in result.stdout  # GPT-2 small with nanoGPT's padded vocabulary
+    assert "ZeRO-3" in result.stdout and "tensor parallel (est.)" in result.stdout
+    assert "Korthikanti" in result.stdout and "12 blocks (transformer.h), hidden 768" in result.stdout
+    assert "GiB" in result.stdout
