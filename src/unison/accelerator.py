@@ -42,7 +42,9 @@ from .kwargs_handlers import (
     sort_kwargs_handlers,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .parallel.config import ParallelismConfig
 from .parallel.ddp import skip_gradient_sync, unwrap, wrap_ddp
+from .parallel.mesh import build_device_mesh
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
 
@@ -84,6 +86,7 @@ class Accelerator:
         kwargs_handlers: list | None = None,
         project_config: ProjectConfiguration | None = None,
         project_dir: str | os.PathLike | None = None,
+        parallelism: ParallelismConfig | str | None = None,
     ):
         handlers = sort_kwargs_handlers(kwargs_handlers)
         if gradient_accumulation_steps is None:
@@ -116,6 +119,11 @@ class Accelerator:
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
+        if parallelism is None:
+            parallelism = launch_env.env_str(launch_env.PARALLELISM, "ddp")
+        # Pure check of the degrees against the world size: every rank raises the same error, before work.
+        self.parallelism = ParallelismConfig.coerce(parallelism).validate(self.num_processes)
+        self.device_mesh = build_device_mesh(self.parallelism, self.device.type)
 
     # -- process facts (the shared state's) ---------------------------------------------------------
     @property
@@ -237,6 +245,11 @@ class Accelerator:
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
         """Move `model` to the device and wrap it in DistributedDataParallel when processes > 1."""
         self._check_preparable(model)
+        if not self.parallelism.is_plain_data_parallel:
+            raise NotImplementedError(
+                f"prepare() cannot yet wrap a model for the layout {self.parallelism.describe()}: ZeRO/TP/PP "
+                "through prepare() are being built; use parallelism='ddp' for now."
+            )
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement:

@@ -11,6 +11,7 @@ configured without touching the script.
 | UNISON_GRADIENT_ACCUMULATION_STEPS   | gradient_accumulation_steps   | integer >= 1      |
 | UNISON_CPU                           | cpu                           | 1/true or 0/false |
 | UNISON_TIMEOUT                       | timeout (seconds)             | number > 0        |
+| UNISON_PARALLELISM                   | parallelism                   | ddp, zeroK, k=v   |
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ MIXED_PRECISION = "UNISON_MIXED_PRECISION"
 GRADIENT_ACCUMULATION_STEPS = "UNISON_GRADIENT_ACCUMULATION_STEPS"
 CPU = "UNISON_CPU"
 TIMEOUT = "UNISON_TIMEOUT"
+PARALLELISM = "UNISON_PARALLELISM"
 
-ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT)
+ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

@@ -34,6 +34,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from . import launch_env
+from .parallel.config import ParallelismConfig
 from .state import validate_mixed_precision
 
 logger = logging.getLogger("unison")
@@ -77,6 +78,7 @@ class LaunchOptions:
     mixed_precision: str | None = None
     gradient_accumulation_steps: int | None = None
     timeout: float | None = None
+    parallelism: str | None = None
 
 
 def usable_cpu_count() -> int:
@@ -158,7 +160,20 @@ def validate(options: LaunchOptions) -> int:
     min_nodes, max_nodes = parse_nnodes(options.nnodes)
     if max_nodes > 1 and not options.rdzv_endpoint:
         _validate_static_multi_node(options, max_nodes, min_nodes)
-    return resolve_nproc_per_node(options.nproc_per_node, options.cpu)
+    nproc_per_node = resolve_nproc_per_node(options.nproc_per_node, options.cpu)
+    if options.parallelism is not None:
+        _validate_parallelism(options.parallelism, nproc_per_node, min_nodes, max_nodes)
+    return nproc_per_node
+
+
+def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
+    """Parse --parallelism; with a fixed node count, check its degrees against the world size too."""
+    try:
+        config = ParallelismConfig.from_string(parallelism)
+        if min_nodes == max_nodes:
+            config.validate(nproc_per_node * max_nodes)
+    except ValueError as error:
+        raise LaunchError(f"--parallelism: {error}") from None
 
 
 def _validate_static_multi_node(options: LaunchOptions, max_nodes: int, min_nodes: int) -> None:
@@ -193,6 +208,7 @@ def worker_environment(
     mixed_precision: str | None = None,
     gradient_accumulation_steps: int | None = None,
     timeout: float | None = None,
+    parallelism: str | None = None,
 ) -> dict[str, str]:
     """Variables exported to the workers (and torch's elastic agent) for one launch.
 
@@ -208,6 +224,9 @@ def worker_environment(
         env[launch_env.GRADIENT_ACCUMULATION_STEPS] = str(gradient_accumulation_steps)
     if timeout is not None:
         env[launch_env.TIMEOUT] = f"{timeout:g}"
+    if parallelism is not None:
+        ParallelismConfig.from_string(parallelism)  # a wrong string fails here, not in N workers
+        env[launch_env.PARALLELISM] = parallelism.strip()
     if "OMP_NUM_THREADS" not in os.environ:
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
         env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
@@ -276,6 +295,7 @@ def launch(options: LaunchOptions) -> int:
             mixed_precision=options.mixed_precision,
             gradient_accumulation_steps=options.gradient_accumulation_steps,
             timeout=options.timeout,
+            parallelism=options.parallelism,
         )
         with exported(env):
             logger.debug("torch.distributed.run %s", " ".join(argv))

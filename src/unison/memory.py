@@ -47,6 +47,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from unison.parallel.blocks import find_blocks
+
 
 class TargetError(ValueError):
     """A `module:factory` target that cannot be turned into an nn.Module."""
@@ -194,19 +196,6 @@ def build_on_meta(target: str) -> nn.Module:
             f"TARGET {target!r}: the factory returned a {type(model).__name__}, not an nn.Module."
         )
     return model
-
-
-def find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList | nn.Sequential] | None:
-    """The model's largest (by parameters) ModuleList/Sequential whose children share one class."""
-    best, best_size = None, 0
-    for name, module in model.named_modules():
-        if isinstance(module, (nn.ModuleList, nn.Sequential)) and len(module) > 0:
-            if len({type(child) for child in module}) != 1:
-                continue
-            size = sum(p.numel() for p in module.parameters())
-            if size > best_size:
-                best, best_size = (name, module), size
-    return best
 
 
 def inspect_model(model: nn.Module) -> ModelShape:

@@ -20,6 +20,7 @@ _VARIABLES = [
     (f"{launch_env.MIXED_PRECISION}=no|bf16|fp16", "--mixed-precision"),
     (f"{launch_env.GRADIENT_ACCUMULATION_STEPS}=K", "--gradient-accumulation-steps"),
     (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
+    (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
 
@@ -112,6 +113,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         metavar="S",
         help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_SECONDS:g})",
     )
+    training.add_argument(
+        "--parallelism",
+        default=None,
+        metavar="LAYOUT",
+        help="ddp (default), zero1, zero2, zero3, or FIELD=VALUE pairs of ParallelismConfig, e.g. "
+        "dp_shard_size=2,tp_size=2",
+    )
     parser.add_argument("script", help="the Python script to run in every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     parser.set_defaults(run=lambda args: run(args, parser))
@@ -135,6 +143,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         timeout=args.timeout,
+        parallelism=args.parallelism,
     )
     try:
         return launch(options)

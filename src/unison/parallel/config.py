@@ -1,0 +1,267 @@
+"""`ParallelismConfig`: how the processes of a run are laid out over parallel dimensions.
+
+One config describes every strategy of the multi-GPU guide as degrees of named dimensions, in
+torchtitan's order: pipeline (`pp`), data-parallel replicas (`dp_replicate`, DDP-like), data-parallel
+shards (`dp_shard`, ZeRO 1/2/3) and tensor parallel (`tp`). Field names follow Hugging Face
+Accelerate's `ParallelismConfig` where it has them (`dp_replicate_size`, `dp_shard_size`, `tp_size`,
+`cp_size`), so configs migrate unchanged.
+
+Validation is a pure function of the config and the world size, so every rank reaches the same verdict
+(and raises the same error) without talking to the others, before any work starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+DEGREE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
+"""The degrees, in mesh order (cp last: not supported yet)."""
+
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
+ZERO_STAGES = (1, 2, 3)
+SHORTHANDS = ("ddp", "zero1", "zero2", "zero3")
+
+_SCALAR_FIELDS = (*DEGREE_FIELDS, "zero_stage", "pp_schedule", "pp_microbatches")
+"""Fields that `from_string` accepts as FIELD=VALUE (plans and split points need code)."""
+
+
+def _accepted_strings() -> str:
+    return (
+        f"{', '.join(repr(s) for s in SHORTHANDS)}, or comma-separated FIELD=VALUE pairs with FIELD in "
+        f"{', '.join(_SCALAR_FIELDS)} (e.g. 'dp_shard_size=2,tp_size=2')"
+    )
+
+
+@dataclass(frozen=True)
+class ParallelismConfig:
+    """Degrees of each parallel dimension plus the strategy options that go with them.
+
+    Sizes left as None are filled by `validate(world_size)`: the product of all degrees must equal the
+    world size, and the one free dimension takes what the given ones leave: `dp_shard` when a
+    `zero_stage` is set and `dp_shard_size` is not, else `dp_replicate`. So `ParallelismConfig()` is
+    plain DDP over every process, `ParallelismConfig(zero_stage=3)` is ZeRO-3 over every process, and
+    `ParallelismConfig(tp_size=2)` on 8 processes is 4 DDP replicas of a 2-way tensor-parallel model.
+
+    zero_stage: what the dp_shard dimension shards (1: optimizer state, 2: + gradients, 3: + parameters);
+        None with dp_shard_size > 1 means 3 (FSDP's full sharding, as in Accelerate and torchtitan).
+    pp_schedule: "gpipe", "1f1b" or "interleaved" (several stages per rank).
+    pp_microbatches: micro-batches per step for the pipeline; None lets the strategy pick.
+    tp_plan: module name (pattern) -> parallel style, or None for the built-in plans.
+    pp_split_points: module names where a new pipeline stage begins, or None to balance by parameters.
+    """
+
+    dp_replicate_size: int | None = None
+    dp_shard_size: int | None = None
+    tp_size: int | None = None
+    cp_size: int | None = None
+    pp_size: int | None = None
+    zero_stage: int | None = None
+    pp_schedule: str = "1f1b"
+    pp_microbatches: int | None = None
+    tp_plan: Mapping[str, Any] | None = None
+    pp_split_points: Sequence[str] | None = None
+
+    @classmethod
+    def from_string(cls, text: str) -> ParallelismConfig:
+        """A config from a shorthand ("ddp", "zero1", "zero2", "zero3") or "FIELD=VALUE,..." pairs.
+
+        The degrees are not checked here (no world size yet); call `validate(world_size)`.
+        """
+        value = text.strip().lower()
+        if value == "ddp":
+            return cls()
+        if value in SHORTHANDS:
+            return cls(zero_stage=int(value[-1]))
+        if value == "auto":
+            raise ValueError(
+                "parallelism='auto' (the planner choosing the layout) is not available yet: pass one of "
+                f"{_accepted_strings()}, or a ParallelismConfig."
+            )
+        if "=" not in value:
+            raise ValueError(f"parallelism={text!r} is not understood: pass one of {_accepted_strings()}.")
+        fields: dict[str, Any] = {}
+        for pair in value.split(","):
+            name, _, raw = (part.strip() for part in pair.partition("="))
+            if name not in _SCALAR_FIELDS or not raw:
+                raise ValueError(
+                    f"parallelism={text!r}: {pair.strip()!r} is not FIELD=VALUE with a known FIELD; pass "
+                    f"{_accepted_strings()}."
+                )
+            if name in fields:
+                raise ValueError(f"parallelism={text!r} sets {name} twice: give each field once.")
+            fields[name] = raw if name == "pp_schedule" else _parse_int(text, name, raw)
+        return cls(**fields)
+
+    @classmethod
+    def coerce(cls, value: ParallelismConfig | str | None) -> ParallelismConfig:
+        """Accept a config, a string for `from_string`, or None (plain DDP)."""
+        if value is None:
+            return cls()
+        if isinstance(value, str):
+            return cls.from_string(value)
+        if isinstance(value, cls):
+            return value
+        raise TypeError(
+            f"parallelism={value!r} is a {type(value).__qualname__}: pass a ParallelismConfig, a string "
+            f"({_accepted_strings()}), or None for plain data parallelism."
+        )
+
+    # -- validation -------------------------------------------------------------------------------
+    def validate(self, world_size: int) -> ParallelismConfig:
+        """Check everything against `world_size` and return the config with every size filled in.
+
+        Raises ValueError naming each degree, their product and the world size when they disagree.
+        """
+        for name in DEGREE_FIELDS:
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(
+                    f"{name}={value!r} is not a degree: each degree is a whole number >= 1 (1: the dimension "
+                    f"is not used), or None to let it be filled in. Pass e.g. {name}=2."
+                )
+        if self.cp_size not in (None, 1):
+            raise ValueError(
+                f"cp_size={self.cp_size}: context parallelism is not supported yet. Leave cp_size at 1 and "
+                "split the sequence work with tp_size (and sequence parallel) or dp instead."
+            )
+        self._check_options()
+        resolved = self._fill(world_size)
+        resolved._check_product(world_size)
+        resolved._check_dimension_options()
+        return resolved
+
+    def _check_options(self) -> None:
+        if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
+            raise ValueError(
+                f"zero_stage={self.zero_stage!r} is not a ZeRO stage: pass 1 (optimizer state sharded), 2 "
+                "(+ gradients), 3 (+ parameters), or None."
+            )
+        if self.pp_schedule not in PP_SCHEDULES:
+            raise ValueError(
+                f"pp_schedule={self.pp_schedule!r} is unknown: pass one of "
+                f"{', '.join(repr(s) for s in PP_SCHEDULES)}."
+            )
+        micro = self.pp_microbatches
+        if micro is not None and (isinstance(micro, bool) or not isinstance(micro, int) or micro < 1):
+            raise ValueError(
+                f"pp_microbatches={micro!r} is not a count: pass a whole number >= 1 (1 is naive model "
+                "parallelism; more shrink the pipeline bubble), or None to let the strategy pick."
+            )
+        if self.tp_plan is not None and not (
+            isinstance(self.tp_plan, Mapping) and all(isinstance(key, str) for key in self.tp_plan)
+        ):
+            raise ValueError(
+                f"tp_plan={self.tp_plan!r} is not a plan: pass a dict from module name to parallel style, "
+                'e.g. {"mlp.fc_in": ColwiseParallel(), "mlp.fc_out": RowwiseParallel()}, or None.'
+            )
+        points = self.pp_split_points
+        if points is not None and (isinstance(points, str) or not all(isinstance(p, str) for p in points)):
+            raise ValueError(
+                f"pp_split_points={points!r} is not a list of module names: pass e.g. ['blocks.4'] (a stage "
+                "begins at each), or None to balance the stages by parameter count."
+            )
+
+    def _fill(self, world_size: int) -> ParallelismConfig:
+        if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+            raise ValueError(f"world_size={world_size!r} is not a number of processes >= 1.")
+        free = "dp_shard_size" if self.zero_stage is not None and self.dp_shard_size is None else None
+        free = free or ("dp_replicate_size" if self.dp_replicate_size is None else None)
+        sizes = {name: getattr(self, name) for name in DEGREE_FIELDS}
+        given = math.prod(size for size in sizes.values() if size is not None)
+        for name in sizes:
+            if sizes[name] is None:
+                sizes[name] = 1
+        if free is not None and world_size % given == 0:
+            sizes[free] = world_size // given
+        zero_stage = self.zero_stage
+        if zero_stage is None and sizes["dp_shard_size"] > 1:
+            zero_stage = 3
+        return dataclasses.replace(self, zero_stage=zero_stage, **sizes)
+
+    def _check_product(self, world_size: int) -> None:
+        if self.total_size == world_size:
+            return
+        degrees = " x ".join(f"{name}={getattr(self, name)}" for name in DEGREE_FIELDS)
+        raise ValueError(
+            f"the parallel degrees {degrees} multiply to {self.total_size}, but the world size is "
+            f"{world_size} processes: their product must equal the world size. Change the degrees so "
+            f"they multiply to {world_size} (a degree left as None is filled in when the others divide "
+            f"{world_size}), or launch {self.total_size} processes."
+        )
+
+    def _check_dimension_options(self) -> None:
+        if self.zero_stage is not None and self.dp_shard_size == 1:
+            raise ValueError(
+                f"zero_stage={self.zero_stage} shards over the dp_shard dimension, but dp_shard_size=1: "
+                "there is nothing to shard over. Give dp_shard_size >= 2 (or leave it None to fill the "
+                "processes the other degrees leave), or set zero_stage=None."
+            )
+        for option, value in (
+            ("tp_plan", self.tp_plan),
+            ("pp_split_points", self.pp_split_points),
+            ("pp_microbatches", self.pp_microbatches),
+        ):
+            dimension = "tp_size" if option == "tp_plan" else "pp_size"
+            if value is not None and getattr(self, dimension) == 1:
+                raise ValueError(
+                    f"{option}={value!r} was given but {dimension}=1, so it would be ignored: set "
+                    f"{dimension} >= 2, or drop {option}."
+                )
+        if self.pp_split_points is not None:
+            self._check_stage_count(len(self.pp_split_points) + 1)
+
+    def _check_stage_count(self, stages: int) -> None:
+        if self.pp_schedule == "interleaved":
+            if stages % self.pp_size or stages // self.pp_size < 2:
+                raise ValueError(
+                    f"pp_split_points makes {stages} stages, but the interleaved schedule needs a multiple "
+                    f"of pp_size={self.pp_size} with at least 2 stages per rank: give "
+                    f"{2 * self.pp_size - 1} split points (or another multiple of {self.pp_size}, minus 1)."
+                )
+        elif stages != self.pp_size:
+            raise ValueError(
+                f"pp_split_points makes {stages} stages, but pp_schedule={self.pp_schedule!r} runs one stage "
+                f"per rank of pp_size={self.pp_size}: give {self.pp_size - 1} split points, or use "
+                "pp_schedule='interleaved' for several stages per rank."
+            )
+
+    # -- facts about a validated config ---------------------------------------------------------------
+    @property
+    def total_size(self) -> int:
+        """The product of all degrees (None counts as 1): the processes this layout occupies."""
+        return math.prod(getattr(self, name) or 1 for name in DEGREE_FIELDS)
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel degree: how many different batches one step consumes."""
+        return (self.dp_replicate_size or 1) * (self.dp_shard_size or 1)
+
+    @property
+    def is_plain_data_parallel(self) -> bool:
+        """True when only dp_replicate is used: DDP (or a single process), nothing to shard or split."""
+        return all((getattr(self, name) or 1) == 1 for name in DEGREE_FIELDS if name != "dp_replicate_size")
+
+    def describe(self) -> str:
+        """A short name of the layout for messages, e.g. "dp_shard=4 (ZeRO-3)" or "dp_replicate=2 x tp=2"."""
+        used = [
+            f"{name[:-5]}={getattr(self, name)}" for name in DEGREE_FIELDS if (getattr(self, name) or 1) > 1
+        ]
+        text = " x ".join(used) or "single process"
+        if self.zero_stage is not None:
+            text += f" (ZeRO-{self.zero_stage})"
+        if (self.pp_size or 1) > 1:
+            text += f", pp_schedule={self.pp_schedule}"
+        return text
+
+
+def _parse_int(text: str, name: str, raw: str) -> int:
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(
+            f"parallelism={text!r}: {name}={raw!r} is not a whole number; pass e.g. {name}=2."
+        ) from None

@@ -1,0 +1,76 @@
+"""One torch `DeviceMesh` for the whole run, with named dimensions in torchtitan's order.
+
+Every strategy (FSDP2, DTensor tensor parallel, pipelining, DCP) takes its process groups from this one
+mesh: FSDP2 refuses parameters that live on a different mesh object than the one it shards over (see
+the engine notes), so the mesh is built once and its sub-meshes are handed out by name.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .config import ParallelismConfig
+
+logger = logging.getLogger("unison")
+
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+"""Outermost first: pipeline stages talk least (across nodes), tensor parallel most (inside a node)."""
+
+DATA_PARALLEL_DIM = "dp"
+"""The flattened dp_replicate x dp_shard dimension: ranks that read different batches."""
+
+
+def mesh_layout(config: ParallelismConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """(dim names, shape) of the mesh for a validated config: only dimensions of size > 1, in order."""
+    sizes = {
+        "pp": config.pp_size,
+        "dp_replicate": config.dp_replicate_size,
+        "dp_shard": config.dp_shard_size,
+        "tp": config.tp_size,
+    }
+    kept = [(name, sizes[name]) for name in MESH_DIM_ORDER if (sizes[name] or 1) > 1]
+    return tuple(name for name, _ in kept), tuple(size for _, size in kept)
+
+
+def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh | None:
+    """The run's DeviceMesh (None when every degree is 1). Call on every rank: it creates groups.
+
+    `config` is validated against the world size here too (a pure check, the same on every rank).
+    When both data-parallel dimensions are used, their flattened view "dp" is created as well; fetch it
+    with `data_parallel_mesh`.
+    """
+    world_size = dist.get_world_size() if dist.is_initialized() else 1
+    names, shape = mesh_layout(config.validate(world_size))
+    if not names:
+        return None
+    mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    if "dp_replicate" in names and "dp_shard" in names:
+        if hasattr(mesh, "_flatten"):
+            mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
+        else:  # pragma: no cover - torch without the private flatten
+            logger.debug("this torch has no DeviceMesh._flatten; no flattened 'dp' dimension")
+    return mesh
+
+
+def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The (sub-)mesh over which ranks read different batches, or None without data parallelism.
+
+    torch deprecates slicing a flattened dim from the root mesh (`mesh["dp"]`); `_flatten` with the
+    same name returns the view `build_device_mesh` created, without creating a new group.
+    """
+    if mesh is None or mesh.mesh_dim_names is None:
+        return None
+    dims = [name for name in ("dp_replicate", "dp_shard") if name in mesh.mesh_dim_names]
+    if len(dims) == 1:
+        return mesh[dims[0]]
+    if len(dims) == 2:
+        if not hasattr(mesh, "_flatten"):
+            raise RuntimeError(
+                "this torch's DeviceMesh cannot flatten dp_replicate x dp_shard into one data-parallel "
+                "dimension (no DeviceMesh._flatten): use torch >= 2.6, or a layout with one dp dimension."
+            )
+        return mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
+    return None

@@ -1,0 +1,183 @@
+"""ZeRO data parallelism (stages 1, 2, 3) as plain functions over a module, on torch's own engines.
+
+- ZeRO-1 shards only the optimizer state: the model stays under DDP (full parameters and gradients,
+  one all-reduce per step) and `torch.distributed.optim.ZeroRedundancyOptimizer` gives each rank the
+  state of a share of the parameters, then broadcasts the updated shares after `step()`.
+- ZeRO-2 adds sharded gradients: FSDP2 `fully_shard(..., reshard_after_forward=False)` reduce-scatters
+  gradients to shards and keeps the parameters gathered from forward to backward.
+- ZeRO-3 adds sharded parameters: `fully_shard` on every block, then on the root, gathering one
+  block's parameters at a time in forward and again in backward.
+
+The FSDP2 stages replace the module's parameters by DTensor shards in place, so an optimizer must be
+built from `model.parameters()` after `apply_zero`. ZeroRedundancyOptimizer has to be built from the
+parameters too; `shard_optimizer_state` rebuilds one from an existing, not yet stepped optimizer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import logging
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.nn.parallel import DistributedDataParallel
+
+from unison.parallel.blocks import find_blocks
+from unison.parallel.ddp import skip_gradient_sync as _ddp_skip_gradient_sync
+
+logger = logging.getLogger("unison")
+
+ZERO_STAGES = (1, 2, 3)
+
+
+def resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -> list[nn.Module]:
+    """The modules to shard one by one: the user's (modules, or the name of a container), else found.
+
+    An empty list means the model has no block list; it is then sharded as one unit.
+    """
+    if blocks is None:
+        found = find_blocks(model)
+        return list(found[1]) if found is not None else []
+    if isinstance(blocks, str):
+        try:
+            container = model.get_submodule(blocks)
+        except AttributeError as error:
+            raise ValueError(
+                f"blocks={blocks!r}: the model has no submodule of that name. Give the qualified name "
+                "of the block list (e.g. 'transformer.h'), a list of modules, or None to find it."
+            ) from error
+        return list(container.children())
+    modules = list(blocks)
+    owned = {id(m) for m in model.modules()}
+    foreign = [type(m).__name__ for m in modules if id(m) not in owned]
+    if foreign:
+        raise ValueError(
+            f"blocks: {len(foreign)} of the given modules ({', '.join(foreign[:3])}) are not submodules "
+            "of the model. Pass modules taken from the model being wrapped."
+        )
+    return modules
+
+
+def apply_zero(
+    model: nn.Module,
+    stage: int,
+    mesh: DeviceMesh | None = None,
+    mixed_precision_policy: MixedPrecisionPolicy | None = None,
+    blocks: Sequence[nn.Module] | str | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    ddp_kwargs: dict[str, Any] | None = None,
+) -> nn.Module:
+    """Wrap `model` (already on its device, process group initialised) for ZeRO `stage` over `mesh`.
+
+    `mesh`: the data-parallel mesh (1-D; 2-D (replicate, shard) gives HSDP for stages 2 and 3), or
+    None for all processes. Stage 1 returns a DDP module (pair it with `shard_optimizer_state`);
+    stages 2 and 3 shard in place and return the same module, now an FSDPModule.
+    """
+    if stage not in ZERO_STAGES:
+        raise ValueError(f"ZeRO stage={stage!r} is not supported; choose one of {ZERO_STAGES}.")
+    if stage == 1:
+        if mixed_precision_policy is not None or offload_policy is not None:
+            raise ValueError(
+                "ZeRO stage=1 runs the model under DDP, which takes no mixed_precision_policy or "
+                "offload_policy. Use autocast for mixed precision, or ZeRO stage 2/3 for these policies."
+            )
+        if mesh is not None and mesh.ndim != 1:
+            raise ValueError(
+                f"ZeRO stage=1 needs a 1-D data-parallel mesh, got {mesh.ndim} dims {mesh.mesh_dim_names}. "
+                "Pass the data-parallel sub-mesh, e.g. mesh['dp']."
+            )
+        device = next(model.parameters()).device
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            process_group=mesh.get_group() if mesh is not None else None,
+            **(ddp_kwargs or {}),
+        )
+    if mesh is None:
+        device_type = next(model.parameters()).device.type
+        mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
+    shard_kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": stage == 3}
+    if mixed_precision_policy is not None:
+        shard_kwargs["mp_policy"] = mixed_precision_policy
+    if offload_policy is not None:
+        shard_kwargs["offload_policy"] = offload_policy
+    units = resolve_blocks(model, blocks)
+    if not units:
+        logger.warning(
+            "ZeRO-%d: no block list found in %s; sharding it as one unit, so all its parameters are "
+            "gathered at once. Pass blocks= to shard layer by layer.",
+            stage,
+            type(model).__name__,
+        )
+    for unit in units:
+        fully_shard(unit, **shard_kwargs)
+    fully_shard(model, **shard_kwargs)
+    return model
+
+
+def shard_optimizer_state(
+    optimizer: torch.optim.Optimizer, mesh: DeviceMesh | None = None
+) -> ZeroRedundancyOptimizer:
+    """ZeRO-1: the same optimizer (class, param groups, hyper-parameters) with its state sharded.
+
+    ZeroRedundancyOptimizer builds its per-rank inner optimizer from the parameters, so this takes the
+    user's optimizer apart and builds a new one; it must not have stepped yet (its state would be lost).
+    The overlap-with-DDP mode is not used: its comm hook refuses gloo.
+    """
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    if any(optimizer.state.values()):
+        raise RuntimeError(
+            f"{type(optimizer).__name__} already holds state for {len(optimizer.state)} parameters; ZeRO-1 "
+            "rebuilds the optimizer and would drop it. Shard the optimizer before its first step."
+        )
+    # `defaults` may hold keys the constructor does not take (AdamW: decoupled_weight_decay); the
+    # param groups carry every value, so the constructor gets only the keywords it accepts.
+    accepted = inspect.signature(type(optimizer)).parameters
+    defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
+    return ZeroRedundancyOptimizer(
+        [dict(group) for group in optimizer.param_groups],
+        optimizer_class=type(optimizer),
+        process_group=mesh.get_group() if mesh is not None else None,
+        **defaults,
+    )
+
+
+@contextlib.contextmanager
+def skip_gradient_sync(model: nn.Module) -> Iterator[None]:
+    """Backward inside accumulates local gradients without communication (non-final micro-steps).
+
+    FSDP2 keeps unsharded gradients until a synchronised backward reduce-scatters their sum; DDP
+    (ZeRO-1) keeps them local until a backward outside `no_sync` all-reduces.
+    """
+    if isinstance(model, FSDPModule):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        with _ddp_skip_gradient_sync(model):
+            yield
+
+
+def full_state_dict(model: nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+    """The consolidated, unsharded model state dict on CPU, keyed as the unwrapped model's.
+
+    Collective: every rank must call it. Only process 0 receives the tensors (the others get an
+    empty dict, which spares their CPU memory) unless `all_ranks` is True.
+    """
+    options = StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+    state = get_model_state_dict(model, options=options)
+    if all_ranks:
+        state = {
+            key: value.cpu() if isinstance(value, torch.Tensor) else value for key, value in state.items()
+        }
+    return state

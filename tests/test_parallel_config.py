@@ -1,0 +1,238 @@
+"""ParallelismConfig validation, the --parallelism / UNISON_PARALLELISM plumbing, and real DeviceMeshes."""
+
+import json
+
+import pytest
+from launching import WORKERS, launch_ok
+
+from unison import Accelerator, launch_env, launcher
+from unison.launcher import LaunchError, LaunchOptions
+from unison.parallel.config import ParallelismConfig
+from unison.parallel.mesh import mesh_layout
+
+SIZES = ("pp_size", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size", "zero_stage")
+
+
+@pytest.mark.parametrize(
+    "config, world, expected",
+    [
+        # (pp, dp_replicate, dp_shard, tp, cp, zero_stage) after filling
+        (ParallelismConfig(), 1, (1, 1, 1, 1, 1, None)),
+        (ParallelismConfig(), 4, (1, 4, 1, 1, 1, None)),
+        (ParallelismConfig(zero_stage=1), 4, (1, 1, 4, 1, 1, 1)),
+        (ParallelismConfig(tp_size=2), 8, (1, 4, 1, 2, 1, None)),
+        (ParallelismConfig(dp_shard_size=4), 4, (1, 1, 4, 1, 1, 3)),  # Accelerate: dp_shard means FSDP
+        (ParallelismConfig(dp_shard_size=4, zero_stage=3), 8, (1, 2, 4, 1, 1, 3)),  # HSDP
+        (
+            ParallelismConfig(pp_size=2, tp_size=2, zero_stage=1),
+            8,
+            (2, 1, 2, 2, 1, 1),
+        ),  # guide's ZeRO-1+PP+TP
+        (ParallelismConfig(dp_replicate_size=2, tp_size=2, cp_size=1), 4, (1, 2, 1, 2, 1, None)),
+    ],
+)
+def test_good_layouts_fill_the_world(config, world, expected):
+    resolved = config.validate(world)
+    assert tuple(getattr(resolved, name) for name in SIZES) == expected
+    assert resolved.total_size == world
+    assert resolved.validate(world) == resolved  # idempotent
+
+
+@pytest.mark.parametrize(
+    "config, world, messages",
+    [
+        (
+            ParallelismConfig(dp_replicate_size=2, tp_size=3),
+            4,
+            [
+                "pp_size=1 x dp_replicate_size=2 x dp_shard_size=1 x tp_size=3 x cp_size=1",
+                "multiply to 6",
+                "world size is 4",
+                "launch 6 processes",
+            ],
+        ),
+        (ParallelismConfig(tp_size=3), 4, ["tp_size=3", "multiply to 3", "world size is 4"]),
+        (ParallelismConfig(tp_size=0), 4, ["tp_size=0 is not a degree", "whole number >= 1"]),
+        (ParallelismConfig(pp_size=True), 4, ["pp_size=True is not a degree"]),
+        (ParallelismConfig(dp_shard_size=2.0), 2, ["dp_shard_size=2.0 is not a degree"]),
+        (ParallelismConfig(cp_size=2), 2, ["cp_size=2: context parallelism is not supported yet"]),
+        (ParallelismConfig(zero_stage=4), 2, ["zero_stage=4 is not a ZeRO stage"]),
+        (ParallelismConfig(pp_size=2, pp_schedule="zb"), 2, ["pp_schedule='zb' is unknown", "'interleaved'"]),
+        (ParallelismConfig(pp_size=2, pp_microbatches=0), 2, ["pp_microbatches=0 is not a count"]),
+        (ParallelismConfig(pp_microbatches=4), 2, ["pp_microbatches=4 was given but pp_size=1"]),
+        (
+            ParallelismConfig(tp_plan={"fc": "colwise"}),
+            2,
+            ["tp_plan={'fc': 'colwise'} was given but tp_size=1"],
+        ),
+        (ParallelismConfig(tp_size=2, tp_plan=["fc"]), 2, ["tp_plan=['fc'] is not a plan"]),
+        (ParallelismConfig(pp_size=2, pp_split_points="blocks.2"), 2, ["is not a list of module names"]),
+        (
+            ParallelismConfig(pp_size=2, pp_split_points=["a", "b"]),
+            2,
+            ["makes 3 stages", "give 1 split points"],
+        ),
+        (
+            ParallelismConfig(pp_size=2, pp_schedule="interleaved", pp_split_points=["a"]),
+            2,
+            ["makes 2 stages", "at least 2 stages per rank", "give 3 split points"],
+        ),
+        (
+            ParallelismConfig(tp_size=2, zero_stage=2),
+            2,
+            ["zero_stage=2 shards over the dp_shard", "dp_shard_size=1"],
+        ),
+    ],
+)
+def test_bad_layouts_name_the_problem(config, world, messages):
+    with pytest.raises(ValueError) as error:
+        config.validate(world)
+    for message in messages:
+        assert message in str(error.value)
+
+
+def test_interleaved_split_points_accept_two_stages_per_rank():
+    config = ParallelismConfig(pp_size=2, pp_schedule="interleaved", pp_split_points=["a", "b", "c"])
+    assert config.validate(2).pp_size == 2
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("ddp", ParallelismConfig()),
+        (" DDP ", ParallelismConfig()),
+        ("zero1", ParallelismConfig(zero_stage=1)),
+        ("zero2", ParallelismConfig(zero_stage=2)),
+        ("zero3", ParallelismConfig(zero_stage=3)),
+        ("dp_shard_size=2,tp_size=2", ParallelismConfig(dp_shard_size=2, tp_size=2)),
+        (
+            "pp_size=2, pp_schedule=gpipe, pp_microbatches=4",
+            ParallelismConfig(pp_size=2, pp_schedule="gpipe", pp_microbatches=4),
+        ),
+    ],
+)
+def test_from_string(text, expected):
+    assert ParallelismConfig.from_string(text) == expected
+
+
+def test_from_string_shorthands_fill_the_world():
+    assert ParallelismConfig.from_string("ddp").validate(4).dp_replicate_size == 4
+    zero2 = ParallelismConfig.from_string("zero2").validate(4)
+    assert (zero2.dp_replicate_size, zero2.dp_shard_size, zero2.zero_stage) == (1, 4, 2)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("auto", "parallelism='auto' (the planner choosing the layout) is not available yet"),
+        ("fsdp", "parallelism='fsdp' is not understood: pass one of 'ddp', 'zero1', 'zero2', 'zero3'"),
+        ("tp=2", "'tp=2' is not FIELD=VALUE with a known FIELD"),
+        ("tp_size=two", "tp_size='two' is not a whole number"),
+        ("tp_size=2,tp_size=2", "sets tp_size twice"),
+    ],
+)
+def test_from_string_rejects(text, message):
+    with pytest.raises(ValueError) as error:
+        ParallelismConfig.from_string(text)
+    assert message in str(error.value)
+
+
+def test_coerce_rejects_other_types():
+    with pytest.raises(TypeError, match="parallelism=3 is a int"):
+        ParallelismConfig.coerce(3)
+
+
+@pytest.mark.parametrize(
+    "config, world, names, shape",
+    [
+        (ParallelismConfig(), 1, (), ()),
+        (ParallelismConfig(), 4, ("dp_replicate",), (4,)),
+        (ParallelismConfig(tp_size=2, pp_size=2, zero_stage=1), 8, ("pp", "dp_shard", "tp"), (2, 2, 2)),
+        (ParallelismConfig(dp_shard_size=2), 4, ("dp_replicate", "dp_shard"), (2, 2)),
+    ],
+)
+def test_mesh_layout_keeps_dims_above_one_in_torchtitan_order(config, world, names, shape):
+    assert mesh_layout(config.validate(world)) == (names, shape)
+
+
+def test_describe_and_plain_data_parallel():
+    assert ParallelismConfig().validate(4).is_plain_data_parallel
+    zero3 = ParallelismConfig.from_string("zero3").validate(4)
+    assert not zero3.is_plain_data_parallel and zero3.describe() == "dp_shard=4 (ZeRO-3)"
+    assert ParallelismConfig(tp_size=2).validate(4).describe() == "dp_replicate=2 x tp=2"
+
+
+def test_single_process_accelerator(monkeypatch):
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.parallelism == ParallelismConfig().validate(1) and accelerator.device_mesh is None
+    monkeypatch.setenv(launch_env.PARALLELISM, "tp_size=2")
+    with pytest.raises(ValueError, match="multiply to 2, but the world size is 1"):
+        Accelerator(cpu=True)
+    assert Accelerator(cpu=True, parallelism="ddp").parallelism.dp_replicate_size == 1  # code wins over env
+
+
+def test_launcher_exports_and_checks_parallelism(tmp_path):
+    env = launcher.worker_environment(4, cpu=True, parallelism=" zero3 ")
+    assert env[launch_env.PARALLELISM] == "zero3"
+    assert launch_env.PARALLELISM not in launcher.worker_environment(4, cpu=True)
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert (
+        launcher.validate(LaunchOptions(str(script), nproc_per_node=4, cpu=True, parallelism="tp_size=2"))
+        == 4
+    )
+    for parallelism, message in [
+        ("tp_size=3", "--parallelism: the parallel degrees"),
+        ("auto", "--parallelism: parallelism='auto'"),
+    ]:
+        with pytest.raises(LaunchError, match=message):
+            launcher.validate(LaunchOptions(str(script), nproc_per_node=4, cpu=True, parallelism=parallelism))
+
+
+def test_cli_flag_reaches_launch_options():
+    from unison.commands.main import build_parser
+
+    args = build_parser().parse_args(["launch", "--parallelism", "zero2", "x.py"])
+    assert args.parallelism == "zero2"
+
+
+def test_four_process_meshes(tmp_path):
+    launch_ok(
+        WORKERS / "mesh_worker.py",
+        4,
+        tmp_path,
+        launch_args=["--parallelism", "dp_replicate_size=2,tp_size=2"],
+    )
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(4)]
+    for rank, record in enumerate(records):
+        # Row-major: rank = dp_replicate_index * 2 + tp_index.
+        env_mesh = record["env_mesh"]
+        assert record["env_layout"] == "dp_replicate=2 x tp=2"
+        assert env_mesh["names"] == ["dp_replicate", "tp"] and env_mesh["shape"] == [2, 2]
+        assert env_mesh["coordinate"] == [rank // 2, rank % 2]
+        assert env_mesh["groups"] == {
+            "dp_replicate": [rank % 2, rank % 2 + 2],
+            "tp": [rank - rank % 2, rank - rank % 2 + 1],
+        }
+        assert (env_mesh["dp_size"], env_mesh["dp_rank"]) == (2, rank // 2)
+
+        zero3 = record["zero3_mesh"]
+        assert zero3["names"] == ["dp_shard"] and zero3["shape"] == [4] and zero3["coordinate"] == [rank]
+        assert zero3["groups"] == {"dp_shard": [0, 1, 2, 3]} and (zero3["dp_size"], zero3["dp_rank"]) == (
+            4,
+            rank,
+        )
+        assert record["zero3_config"] == [4, 3]
+        assert "dp_shard=4 (ZeRO-3)" in record["zero3_prepare_error"]
+        assert "use parallelism='ddp' for now" in record["zero3_prepare_error"]
+
+        hsdp = record["hsdp_mesh"]
+        assert hsdp["names"] == ["dp_replicate", "dp_shard"] and hsdp["coordinate"] == [rank // 2, rank % 2]
+        assert (hsdp["dp_size"], hsdp["dp_rank"]) == (4, rank)  # the flattened "dp" view
+
+        assert record["ddp_wrapper"] == "DistributedDataParallel"
+        assert record["ddp_mesh"]["names"] == ["dp_replicate"] and record["ddp_mesh"]["shape"] == [4]
+    errors = {record["mismatch_error"] for record in records}
+    assert len(errors) == 1  # the same message on every rank
+    (error,) = errors
+    assert "dp_shard_size=2 x tp_size=3" in error and "multiply to 6" in error and "world size is 4" in error

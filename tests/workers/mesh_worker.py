@@ -1,0 +1,62 @@
+"""Launched by tests/test_parallel_config.py with 4 processes and --parallelism dp_replicate_size=2,tp_size=2.
+
+Usage: mesh_worker.py OUT_DIR. Each rank records in OUT_DIR/rank{R}.json what the meshes and
+Accelerators it built looked like; the test compares that with the layout it expects.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from unison import Accelerator
+from unison.parallel.config import ParallelismConfig
+from unison.parallel.mesh import data_parallel_mesh
+
+
+def describe_mesh(mesh) -> dict:
+    dp = data_parallel_mesh(mesh)
+    return {
+        "names": list(mesh.mesh_dim_names),
+        "shape": list(mesh.shape),
+        "coordinate": mesh.get_coordinate(),
+        "groups": {
+            name: torch.distributed.get_process_group_ranks(mesh.get_group(name))
+            for name in mesh.mesh_dim_names
+        },
+        "dp_size": dp.size(),
+        "dp_rank": dp.get_local_rank(),
+    }
+
+
+out_dir = Path(sys.argv[1])
+from_env = Accelerator()  # layout from UNISON_PARALLELISM (the --parallelism flag)
+record: dict = {
+    "env_layout": from_env.parallelism.describe(),
+    "env_mesh": describe_mesh(from_env.device_mesh),
+}
+
+zero3 = Accelerator(parallelism="zero3")
+record["zero3_mesh"] = describe_mesh(zero3.device_mesh)
+record["zero3_config"] = [zero3.parallelism.dp_shard_size, zero3.parallelism.zero_stage]
+try:
+    zero3.prepare(torch.nn.Linear(2, 2))
+except NotImplementedError as error:
+    record["zero3_prepare_error"] = str(error)
+
+hsdp = Accelerator(parallelism=ParallelismConfig(dp_shard_size=2, zero_stage=2))
+record["hsdp_mesh"] = describe_mesh(hsdp.device_mesh)
+
+ddp = Accelerator(parallelism="ddp")
+model = ddp.prepare(torch.nn.Linear(2, 2))
+record["ddp_wrapper"] = type(model).__name__
+record["ddp_mesh"] = describe_mesh(ddp.device_mesh)
+
+try:
+    Accelerator(parallelism=ParallelismConfig(dp_shard_size=2, tp_size=3))
+except ValueError as error:
+    record["mismatch_error"] = str(error)
+
+(out_dir / f"rank{zero3.process_index}.json").write_text(json.dumps(record))
+ddp.end_training()
