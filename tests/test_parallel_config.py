@@ -162,6 +162,7 @@ def test_describe_and_plain_data_parallel():
     assert ParallelismConfig(tp_size=2).validate(4).describe() == "dp_replicate=2 x tp=2"
 
 
+@pytest.mark.usefixtures("fresh_state")
 def test_single_process_accelerator(monkeypatch):
     accelerator = Accelerator(cpu=True)
     assert accelerator.parallelism == ParallelismConfig().validate(1) and accelerator.device_mesh is None
