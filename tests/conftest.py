@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -10,6 +13,10 @@ from unison import AcceleratorState, GradientState, PartialState, launch_env
 # In-process tests use tiny tensors: one thread avoids oversubscribing the 2-core CI machine (measured:
 # a reference run took 1-5 s with 2 threads under load, 15-30 ms with one).
 torch.set_num_threads(1)
+
+# Tests that import a worker module in-process need its helpers (e.g. tiny_gpt), which a launched worker
+# finds beside itself.
+sys.path.insert(0, str(Path(__file__).parent / "workers"))
 
 _STATES = (PartialState, AcceleratorState, GradientState)
 _LAUNCHER_VARIABLES = (

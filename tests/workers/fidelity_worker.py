@@ -18,13 +18,13 @@ them across process counts and with the single-process reference `reference_item
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from tiny_gpt import make_tiny_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, set_seed
@@ -37,16 +37,9 @@ SEED = 1234
 MAX_NORM = 0.75  # between the runs' gradient norms (0.56 to 2.0): some steps clip, some do not
 IGNORE = -100  # label of padding positions (cross_entropy's ignore_index)
 
-_GPT_MODEL = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "model.py"
-_spec = importlib.util.spec_from_file_location("fidelity_gpt_model", _GPT_MODEL)
-gpt_model = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(gpt_model)
-
 
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    config = gpt_model.GPTConfig(block_size=BLOCK, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
-    return gpt_model.GPT(config)
+    return make_tiny_gpt(SEED, BLOCK)
 
 
 def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:

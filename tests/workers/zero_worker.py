@@ -16,13 +16,13 @@ Process 0 writes a JSON report to the path given as the first argument.
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import sys
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tiny_gpt import make_tiny_gpt
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -34,16 +34,9 @@ GLOBAL_BATCH = 4
 BLOCK = 16
 SEED = 1234
 
-_GPT_MODEL = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "model.py"
-_spec = importlib.util.spec_from_file_location("zero_gpt_model", _GPT_MODEL)
-gpt_model = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(gpt_model)
-
 
 def make_model() -> torch.nn.Module:
-    torch.manual_seed(SEED)
-    config = gpt_model.GPTConfig(block_size=BLOCK, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
-    return gpt_model.GPT(config)
+    return make_tiny_gpt(SEED, BLOCK)
 
 
 def make_optimizer(name: str, params) -> torch.optim.Optimizer:
