@@ -224,8 +224,7 @@ def test_four_process_meshes(tmp_path):
             rank,
         )
         assert record["zero3_config"] == [4, 3]
-        assert "dp_shard=4 (ZeRO-3)" in record["zero3_prepare_error"]
-        assert "use parallelism='ddp' for now" in record["zero3_prepare_error"]
+        assert record["zero3_wrapper"] == "FSDPLinear"
 
         hsdp = record["hsdp_mesh"]
         assert hsdp["names"] == ["dp_replicate", "dp_shard"] and hsdp["coordinate"] == [rank // 2, rank % 2]

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 from torch.utils.data import DataLoader
 
 from . import launch_env, ops
@@ -42,9 +43,16 @@ from .kwargs_handlers import (
     sort_kwargs_handlers,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
+from .parallel.apply import (
+    data_parallel_engine,
+    parallelize,
+    replaced_parameters,
+    switch_optimizer_parameters,
+)
 from .parallel.config import ParallelismConfig
-from .parallel.ddp import skip_gradient_sync, unwrap, wrap_ddp
-from .parallel.mesh import build_device_mesh
+from .parallel.ddp import unwrap
+from .parallel.mesh import build_device_mesh, data_parallel_mesh
+from .parallel.zero import full_state_dict, shard_optimizer_state, skip_gradient_sync
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
 
@@ -124,6 +132,8 @@ class Accelerator:
         # Pure check of the degrees against the world size: every rank raises the same error, before work.
         self.parallelism = ParallelismConfig.coerce(parallelism).validate(self.num_processes)
         self.device_mesh = build_device_mesh(self.parallelism, self.device.type)
+        # id(parameter before prepare) -> its sharded replacement, for optimizers built before prepare().
+        self._replaced_parameters: dict[int, torch.nn.Parameter] = {}
 
     # -- process facts (the shared state's) ---------------------------------------------------------
     @property
@@ -243,24 +253,36 @@ class Accelerator:
         self._prepared.update((original, prepared))
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
-        """Move `model` to the device and wrap it in DistributedDataParallel when processes > 1."""
+        """Move `model` to the device and wrap it for the run's layout (DDP, ZeRO-1/2/3, HSDP, ...)."""
         self._check_preparable(model)
-        if not self.parallelism.is_plain_data_parallel:
+        if self.parallelism.pp_size > 1 or self.parallelism.tp_size > 1:
             raise NotImplementedError(
-                f"prepare() cannot yet wrap a model for the layout {self.parallelism.describe()}: ZeRO/TP/PP "
-                "through prepare() are being built; use parallelism='ddp' for now."
+                f"prepare() cannot yet wrap a model for the layout {self.parallelism.describe()}: tensor and "
+                "pipeline parallel through prepare() are being built; use data parallelism (ddp, zero1-3)."
             )
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement:
             model = model.to(self.device)
-        prepared = model
-        if self.num_processes > 1 and any(p.requires_grad for p in model.parameters()):
-            prepared = wrap_ddp(model, self.device, self.ddp_kwargs)
+        before = dict(model.named_parameters(remove_duplicate=False))
+        prepared = parallelize(model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs)
+        replaced = replaced_parameters(before, unwrap(prepared))
+        self._check_no_optimizer_holds(replaced)
+        self._replaced_parameters.update(replaced)
         self.precision.attach_to(prepared)
         self._remember(model, prepared)
         self._models.append(prepared)
         return prepared
+
+    def _check_no_optimizer_holds(self, replaced: dict[int, torch.nn.Parameter]) -> None:
+        """An optimizer prepared before its model would keep updating the parameters sharding replaced."""
+        for optimizer in self._optimizers:
+            if any(id(p) in replaced for group in optimizer.param_groups for p in group["params"]):
+                raise ValueError(
+                    f"the {type(optimizer.optimizer).__name__} was prepared before its model, but the layout "
+                    f"{self.parallelism.describe()} replaces the model's parameters by shards: prepare the "
+                    "model first, or both in one call: accelerator.prepare(model, optimizer)."
+                )
 
     def prepare_optimizer(
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
@@ -272,6 +294,9 @@ class Accelerator:
         if device_placement and optimizer.state:
             # load_state_dict casts the state onto each parameter's device (now the run's device).
             optimizer.load_state_dict(optimizer.state_dict())
+        switch_optimizer_parameters(optimizer, self._replaced_parameters)
+        if self.parallelism.zero_stage == 1 and data_parallel_engine(self.parallelism) == "ddp":
+            optimizer = shard_optimizer_state(optimizer, self.device_mesh["dp_shard"])
         prepared = AcceleratedOptimizer(optimizer, scaler=self.precision.scaler)
         self._remember(optimizer, prepared)
         self._optimizers.append(prepared)
@@ -295,11 +320,19 @@ class Accelerator:
         self._check_preparable(data_loader)
         if device_placement is None:
             device_placement = self.device_placement
+        dp_mesh = data_parallel_mesh(self.device_mesh)
+        if self.dispatch_batches and dp_mesh is not None and dp_mesh.size() != self.num_processes:
+            raise NotImplementedError(
+                f"dispatch_batches=True with the layout {self.parallelism.describe()}: process 0 would "
+                "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
+                "dispatch_batches unset so that each data-parallel rank reads its own shard."
+            )
+        # Ranks of one tensor-parallel group (or pipeline) read the same batch: shard by data-parallel rank.
         prepared = prepare_data_loader(
             data_loader,
             device=self.device,
-            num_processes=self.num_processes,
-            process_index=self.process_index,
+            num_processes=dp_mesh.size() if dp_mesh is not None else 1,
+            process_index=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
             split_batches=self.split_batches,
             put_on_device=device_placement,
             rng_types=self.rng_types,
@@ -383,11 +416,17 @@ class Accelerator:
     def _normalise_by_item_count(self) -> None:
         """Turn the window's summed gradients into the gradient of the mean over all its items.
 
-        Every prepared model with gradients is DDP-wrapped when processes > 1, so after this backward
-        each gradient is the average over the N processes of their local sums: N / global count makes
-        it the global sum over the global count (with fp16 the loss scale stays in until unscaling).
+        Every prepared model with gradients is data-parallel wrapped (DDP or FSDP2) over the N
+        data-parallel processes, so after this backward each gradient is the average of their local
+        sums: N / global count makes it the global sum over the global count (with fp16 the loss scale
+        stays in until unscaling). Tensor/pipeline ranks of one replica count the same items once.
         """
-        factor = self._item_count.gradient_factor(self.num_processes, self.device)
+        dp_mesh = data_parallel_mesh(self.device_mesh)
+        factor = self._item_count.gradient_factor(
+            dp_mesh.size() if dp_mesh is not None else 1,
+            self.device,
+            group=dp_mesh.get_group() if dp_mesh is not None else None,
+        )
         scale_gradients((p for model in self._models for p in model.parameters()), factor)
 
     def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
@@ -400,9 +439,14 @@ class Accelerator:
             optimizer.unscale_gradients()
 
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients' total norm (all-reduced on sync steps); returns the norm before clipping."""
+        """Clip the gradients' total norm (all-reduced on sync steps); returns the norm before clipping.
+
+        Over sharded gradients (DTensors) torch computes the norm of the whole gradient; it is returned
+        as a plain tensor, the same on every rank.
+        """
         self.unscale_gradients()
-        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
+        return norm.full_tensor() if isinstance(norm, DTensor) else norm
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp each gradient element to [-clip_value, clip_value]."""
@@ -515,6 +559,15 @@ class Accelerator:
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints under project_dir/checkpoints, oldest first."""
         return list_checkpoints(self._checkpoints_dir("checkpoints"))
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The consolidated, unsharded state dict of `model` with the user's keys, from any layout.
+
+        Collective under sharded layouts: call it on every process. The main process receives the
+        full tensors on CPU; the others get an empty dict (Accelerate's behaviour for FSDP).
+        """
+        del unwrap  # the keys are always the unwrapped model's (Accelerate's default)
+        return full_state_dict(model)
 
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True

@@ -21,6 +21,7 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 NumItems = int | float | torch.Tensor
 
@@ -87,8 +88,12 @@ class ItemCount:
         self.local_total = 0
         self.counting = None
 
-    def gradient_factor(self, num_processes: int, device: torch.device) -> torch.Tensor:
-        """N / (items summed over all processes and micro-steps of the window); 0 when there were none.
+    def gradient_factor(
+        self, num_processes: int, device: torch.device, group: dist.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """N / (items summed over the N processes of `group` and the window's micro-steps); 0 if none.
+
+        `group` holds the processes whose gradients were averaged (the data-parallel ranks; None: all).
 
         The count is all-reduced on `device` (NCCL needs the process's own GPU) and the factor stays a
         tensor there, so a GPU run never waits for the host here. A window without any item has zero
@@ -99,7 +104,7 @@ class ItemCount:
         exact = isinstance(local, (torch.Tensor, numbers.Integral))  # int counts all-reduce as int64
         total = torch.as_tensor(local, device=device, dtype=None if exact else wide)
         if num_processes > 1:
-            dist.all_reduce(total)
+            dist.all_reduce(total, group=group)
         total = total.to(wide)
         return torch.where(total > 0, num_processes / total, torch.zeros_like(total))
 
@@ -108,7 +113,10 @@ def scale_gradients(parameters: Iterable[torch.nn.Parameter], factor: torch.Tens
     """Multiply every existing gradient among `parameters` by `factor`, each gradient tensor once."""
     by_device: dict[torch.device, dict[int, torch.Tensor]] = {}
     for parameter in parameters:
-        if parameter.grad is not None:
-            by_device.setdefault(parameter.grad.device, {})[id(parameter.grad)] = parameter.grad
+        grad = parameter.grad
+        if grad is not None:
+            if isinstance(grad, DTensor):  # sharded (FSDP2, TP): scale this rank's piece in place
+                grad = grad.to_local()
+            by_device.setdefault(grad.device, {})[id(grad)] = grad
     for device, grads in by_device.items():
         torch._foreach_mul_(list(grads.values()), factor.to(device))

@@ -1,0 +1,158 @@
+"""Launched worker: the ordinary unison training loop under each parallel layout, against one process.
+
+For every layout named on the command line (a `parallelism=` string) the script trains a tiny GPT
+(examples/gpt/model.py) for STEPS optimizer steps through `Accelerator(parallelism=...)`, `prepare`,
+`accumulate`, `backward` and the prepared optimizer, exactly as a user's script would, in four runs:
+SGD+momentum without and with accumulation, AdamW, and summed token losses with
+`backward(loss, num_items=...)` with accumulation. Each step consumes the next GLOBAL_BATCH samples
+of an unshuffled loader whatever the layout, so every rank also computes the single-process
+reference (plain torch, the whole step's samples at once) and compares `accelerator.get_state_dict`
+with it.
+
+Memory (the AdamW run, fp32): per-rank bytes of parameters + gradients + optimizer state held by this
+rank, read from the local shards; parameters are counted between the last forward and its backward
+(what ZeRO-2 holds gathered), gradients and optimizer state after the step.
+
+Process 0 writes a JSON report to the path given as the first argument; the layouts follow it.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tiny_gpt import make_tiny_gpt
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Accelerator, PartialState
+
+STEPS = 5
+GLOBAL_BATCH = 8  # samples per optimizer step, whatever the layout
+BLOCK = 16
+SEED = 1234
+IGNORE = -100
+RUNS = {  # name: (optimizer, accumulation steps, summed token loss with num_items)
+    "sgd": ("sgd", 1, False),
+    "sgd_acc2": ("sgd", 2, False),
+    "adamw": ("adamw", 1, False),
+    "items_acc2": ("sgd", 2, True),
+}
+
+
+def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
+    if name == "sgd":
+        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
+
+
+def make_dataset(padded: bool) -> TensorDataset:
+    """Input tokens and targets; padded: each sequence has 1..BLOCK valid targets (IGNORE after).
+
+    Mean-loss runs use unpadded data, where the mean of equal micro-batches' means is the global mean;
+    padded data is what `num_items` is for.
+    """
+    generator = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 32, (STEPS * GLOBAL_BATCH, BLOCK + 1), generator=generator)
+    lengths = torch.randint(1, BLOCK + 1, (STEPS * GLOBAL_BATCH,), generator=generator)
+    targets = tokens[:, 1:].clone()
+    if padded:
+        targets[torch.arange(BLOCK) >= lengths[:, None]] = IGNORE
+    return TensorDataset(tokens[:, :-1].contiguous(), targets)
+
+
+def token_loss(
+    logits: torch.Tensor, targets: torch.Tensor, summed: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    reduction = "sum" if summed else "mean"
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=IGNORE, reduction=reduction)
+    return loss, (targets != IGNORE).sum()
+
+
+def reference(optimizer_name: str, summed: bool) -> dict[str, torch.Tensor]:
+    """One process, plain torch: each step's GLOBAL_BATCH samples in one batch, the mean over its tokens."""
+    model = make_tiny_gpt(SEED, BLOCK)
+    optimizer = make_optimizer(optimizer_name, model)
+    inputs, targets = make_dataset(padded=summed).tensors
+    for step in range(STEPS):
+        rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
+        logits, _ = model(inputs[rows])
+        loss, valid = token_loss(logits, targets[rows], summed)
+        (loss / valid if summed else loss).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return model.state_dict()
+
+
+def local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def unique_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    return list({id(p): p for p in model.parameters()}.values())
+
+
+def optimizer_state_bytes(optimizer) -> int:
+    """Bytes of the optimizer state this rank holds (ZeroRedundancyOptimizer: its local share)."""
+    inner = optimizer.optimizer
+    inner = getattr(inner, "optim", inner)
+    return sum(
+        local_bytes(value)
+        for state in inner.state.values()
+        for value in state.values()
+        if isinstance(value, torch.Tensor) and value.dim() > 0
+    )
+
+
+def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> dict:
+    accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=accumulation)
+    model = make_tiny_gpt(SEED, BLOCK)
+    optimizer = make_optimizer(optimizer_name, model)
+    micro_batch = GLOBAL_BATCH // (accelerator.parallelism.dp_size * accumulation)
+    loader = DataLoader(make_dataset(padded=summed), batch_size=micro_batch)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    memory: dict[str, int] = {}
+    for inputs, targets in loader:
+        with accelerator.accumulate(model):
+            logits, _ = model(inputs)
+            loss, valid = token_loss(logits, targets, summed)
+            memory["params"] = sum(local_bytes(p) for p in unique_params(model))
+            accelerator.backward(loss, num_items=valid if summed else None)
+            optimizer.step()
+            if accelerator.sync_gradients:
+                memory["grads"] = sum(local_bytes(p.grad) for p in unique_params(model))
+                memory["optimizer"] = optimizer_state_bytes(optimizer)
+            optimizer.zero_grad()
+    full = accelerator.get_state_dict(model)
+    expected = reference(optimizer_name, summed)
+    result = {"memory": memory, "engine": type(model).__name__}
+    if accelerator.is_main_process:
+        result["keys_match"] = sorted(full) == sorted(expected)
+        result["max_abs_diff"] = max((full[k] - expected[k]).abs().max().item() for k in expected)
+    return result
+
+
+def main() -> None:
+    out, layouts = Path(sys.argv[1]), sys.argv[2:]
+    state = PartialState(cpu=True)
+    report: dict = {"world": state.num_processes, "layouts": {}}
+    for layout in layouts:
+        runs = {name: train(layout, *spec) for name, spec in RUNS.items()}
+        memories = [None] * state.num_processes
+        dist.all_gather_object(memories, runs["adamw"]["memory"])
+        report["layouts"][layout] = {"runs": runs, "memory_per_rank": memories}
+    if state.is_main_process:
+        report["parameters"] = sum(p.numel() for p in unique_params(make_tiny_gpt(SEED, BLOCK)))
+        out.write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
