@@ -74,3 +74,27 @@ def test_mixed_precision_on_gpu_learns(mixed_precision, dtype):
     assert losses[-1] < 0.1 * losses[0]
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert (accelerator.scaler is not None) == (mixed_precision == "fp16")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+def test_legacy_data_parallel_matches_one_gpu():
+    """parallelism='dataparallel': nn.DataParallel over every visible GPU gives one GPU's numbers."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1)).cuda()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+    model.load_state_dict(reference.state_dict())
+    data = TensorDataset(torch.randn(64, 8), torch.randn(64, 1))
+    accelerator = Accelerator(parallelism="dataparallel")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, DataLoader(data, batch_size=16))
+    assert isinstance(model, nn.DataParallel)
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for x, y in loader:
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        optimizer.zero_grad()
+        nn.functional.mse_loss(reference(x), y).backward()
+        reference_optimizer.step()
+        reference_optimizer.zero_grad()
+    for got, want in zip(model.module.parameters(), reference.parameters(), strict=True):
+        assert (got - want).abs().max().item() < 1e-5

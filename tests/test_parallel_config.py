@@ -125,7 +125,7 @@ def test_from_string_shorthands_fill_the_world():
     "text, message",
     [
         ("auto", "parallelism='auto' (the planner choosing the layout) is not available yet"),
-        ("fsdp", "parallelism='fsdp' is not understood: pass one of 'ddp', 'zero1', 'zero2', 'zero3'"),
+        ("fsdp", "parallelism='fsdp' is not understood: pass one of 'ddp', 'zero1'"),
         ("tp=2", "'tp=2' is not FIELD=VALUE with a known FIELD"),
         ("tp_size=two", "tp_size='two' is not a whole number"),
         ("tp_size=2,tp_size=2", "sets tp_size twice"),
@@ -135,6 +135,16 @@ def test_from_string_rejects(text, message):
     with pytest.raises(ValueError) as error:
         ParallelismConfig.from_string(text)
     assert message in str(error.value)
+
+
+def test_legacy_data_parallel_is_opt_in_by_name_and_refused_without_two_gpus(fresh_state):
+    config = ParallelismConfig.from_string("dataparallel")
+    assert config == ParallelismConfig(legacy_data_parallel=True)
+    assert config.validate(1).describe().startswith("torch.nn.DataParallel")
+    with pytest.raises(ValueError, match=r"runs in ONE process .* on 2 processes"):
+        config.validate(2)
+    with pytest.raises(ValueError, match="needs at least 2 visible GPUs, but this process sees 0"):
+        Accelerator(cpu=True, parallelism="dataparallel")
 
 
 def test_coerce_rejects_other_types():

@@ -50,7 +50,7 @@ from .parallel.apply import (
     switch_optimizer_parameters,
 )
 from .parallel.config import ParallelismConfig
-from .parallel.ddp import unwrap
+from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.zero import full_state_dict, shard_optimizer_state, skip_gradient_sync
 from .precision import PrecisionPolicy
@@ -131,6 +131,8 @@ class Accelerator:
             parallelism = launch_env.env_str(launch_env.PARALLELISM, "ddp")
         # Pure check of the degrees against the world size: every rank raises the same error, before work.
         self.parallelism = ParallelismConfig.coerce(parallelism).validate(self.num_processes)
+        if self.parallelism.legacy_data_parallel:
+            check_data_parallel_devices(torch.cuda.device_count() if self.device.type == "cuda" else 0)
         self.device_mesh = build_device_mesh(self.parallelism, self.device.type)
         # id(parameter before prepare) -> its sharded replacement, for optimizers built before prepare().
         self._replaced_parameters: dict[int, torch.nn.Parameter] = {}

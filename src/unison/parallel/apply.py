@@ -21,7 +21,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from .config import ParallelismConfig
-from .ddp import wrap_ddp
+from .ddp import wrap_data_parallel, wrap_ddp
 from .mesh import data_parallel_mesh
 from .zero import apply_zero
 
@@ -61,6 +61,8 @@ def parallelize(
     engine = data_parallel_engine(config)
     if engine == "none" or not any(p.requires_grad for p in model.parameters()):
         return model
+    if engine == "dataparallel":
+        return wrap_data_parallel(model)
     if engine == "ddp":
         return wrap_ddp(model, device, {**ddp_kwargs, "process_group": _dp_group(mesh)})
     return apply_zero(model, fsdp_stage(config), mesh=_fsdp_mesh(mesh))

@@ -17,6 +17,26 @@ def wrap_ddp(
     return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
 
 
+def wrap_data_parallel(model: torch.nn.Module) -> torch.nn.DataParallel:
+    """Legacy single-process torch.nn.DataParallel over every visible GPU (opt-in, see check below).
+
+    Each forward scatters the batch from GPU 0, replicates the module to every GPU, gathers the outputs
+    back on GPU 0, and backward reduces the gradients there: five exchanges per step where DDP has one.
+    """
+    check_data_parallel_devices(torch.cuda.device_count())
+    return torch.nn.DataParallel(model)
+
+
+def check_data_parallel_devices(visible_gpus: int) -> None:
+    """nn.DataParallel only makes sense over two or more GPUs of one process: refuse anything else."""
+    if visible_gpus < 2:
+        raise ValueError(
+            f"parallelism='dataparallel' (torch.nn.DataParallel) needs at least 2 visible GPUs, but this "
+            f"process sees {visible_gpus}: it splits each batch over the GPUs of one process. Use 'ddp' "
+            "(one process per device, faster), or run where CUDA_VISIBLE_DEVICES lists 2 or more GPUs."
+        )
+
+
 def skip_gradient_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
     """A context in which backward accumulates local gradients without the all-reduce."""
     if isinstance(model, DistributedDataParallel):
