@@ -415,6 +415,26 @@ class Accelerator:
                 self._normalise_by_item_count()
             self._item_count.end_window()
 
+    def forward_backward(
+        self,
+        model: torch.nn.Module,
+        inputs: torch.Tensor | tuple[torch.Tensor, ...],
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+        num_items: int | float | torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """One micro-step's forward and backward in any layout; returns the loss (detached).
+
+        `model(*inputs)` (a lone tensor is one argument), then `loss_fn(output, target)` and
+        `backward(loss, num_items=num_items)`. This is the one call a loop needs to also run under
+        pipeline parallelism, where no rank holds the whole model: there it runs the pipeline schedule
+        over the micro-batches and every rank gets the loss. Use it inside `accumulate()` as usual.
+        """
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        loss = loss_fn(model(*args), target)
+        self.backward(loss, num_items=num_items)
+        return loss.detach()
+
     def _normalise_by_item_count(self) -> None:
         """Turn the window's summed gradients into the gradient of the mean over all its items.
 
