@@ -9,6 +9,13 @@ WORLD_SIZE, pinning the device, init/destroy_process_group, wrapping in DDP, giv
 own shard of the data, skipping the gradient all-reduce on all but the last micro-step, and dividing
 the loss by the accumulation steps. What stays visible is the training itself.
 
+The layout is the launcher's choice, not this file's: `unison launch --parallelism zero3 ...` shards
+the model ZeRO-3 style, `--parallelism tp_size=2` splits every layer over 2 processes,
+`--parallelism pp_size=2,pp_microbatches=4` runs it as a 2-stage pipeline. One line of the loop is
+what makes the pipeline possible: `accelerator.forward_backward(model, x, y, next_token_loss)` in
+place of `loss = model(x, y)[1]; accelerator.backward(loss)`, since under pipeline parallelism no
+process holds the whole model; in every other layout it is exactly those two lines.
+
 Every log line is printed by the main process only; losses are averaged over all processes first.
 """
 
@@ -19,6 +26,7 @@ import math
 import time
 
 import torch
+import torch.nn.functional as F
 from data import CharTokenizer, CharWindows, load_corpus, train_val_split
 from model import GPT, GPTConfig
 from torch.utils.data import DataLoader, Subset
@@ -83,6 +91,12 @@ def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
     return multiplier
 
 
+def next_token_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the model's logits (its output without targets: (logits, None))."""
+    logits, _ = output
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
 @torch.no_grad()
 def evaluate(model, val_dl, accelerator: Accelerator) -> float:
     """Mean validation loss over every process's share of val_dl."""
@@ -110,9 +124,8 @@ def main() -> None:
     train_ds = CharWindows(train_tokens, args.block_size)
     val_ds = CharWindows(val_tokens, args.block_size)
     # evaluate on a fixed slice of the validation windows: eval_batches batches on each process
-    val_ds = Subset(
-        val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * accelerator.num_processes))
-    )
+    dp_size = accelerator.parallelism.dp_size  # processes reading different batches
+    val_ds = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * dp_size)))
     train_dl = DataLoader(train_ds, batch_size=args.batch_size, shuffle=True, drop_last=True)
     val_dl = DataLoader(val_ds, batch_size=args.batch_size)
 
@@ -126,6 +139,7 @@ def main() -> None:
         dropout=args.dropout,
     )
     model = GPT(config)
+    n_params = model.num_parameters()  # before prepare(), which may shard or split it
     # weight decay on matrices and embeddings only, not on biases and LayerNorm gains (as nanoGPT)
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -147,15 +161,15 @@ def main() -> None:
     if args.resume and accelerator.load_state(missing_ok=True):
         accelerator.print(f"resumed at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}")
 
-    n_proc, accum = accelerator.num_processes, accelerator.gradient_accumulation_steps
+    accum = accelerator.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
-    n_params = accelerator.unwrap_model(model).num_parameters()
     accelerator.print(
-        f"{n_proc} process(es) on {accelerator.device} | mixed precision {accelerator.mixed_precision} | "
+        f"{accelerator.num_processes} process(es) on {accelerator.device} | layout "
+        f"{accelerator.parallelism.describe()} | mixed precision {accelerator.mixed_precision} | "
         f"{n_params:,} parameters | vocab {tokenizer.vocab_size} | {len(text):,} characters\n"
-        f"{args.batch_size} x {args.block_size} tokens per micro-batch x {accum} micro-step(s) x {n_proc} "
-        f"process(es) = {args.batch_size * args.block_size * accum * n_proc:,} tokens per step | "
-        f"{steps_per_epoch} steps per epoch"
+        f"{args.batch_size} x {args.block_size} tokens per micro-batch x {accum} micro-step(s) x {dp_size} "
+        f"data-parallel process(es) = {args.batch_size * args.block_size * accum * dp_size:,} tokens per "
+        f"step | {steps_per_epoch} steps per epoch"
     )
 
     # ---- train
@@ -167,16 +181,16 @@ def main() -> None:
         train_dl.set_epoch(epoch)  # a new shuffle each epoch, the same on every process
         for x, y in train_dl:
             with accelerator.accumulate(model):
-                _, loss = model(x, y)
-                accelerator.backward(loss)  # divides by the accumulation steps
+                # forward + backward (divided by the accumulation steps); a pipeline's whole schedule
+                loss = accelerator.forward_backward(model, x, y, next_token_loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()  # these three do nothing until the last micro-step of the window
                 scheduler.step()
                 optimizer.zero_grad()
-            loss_sum += loss.detach()
+            loss_sum += loss
             micro_steps += 1
-            tokens += x.numel() * accelerator.num_processes
+            tokens += x.numel() * dp_size
             if not accelerator.sync_gradients:
                 continue
 
@@ -207,9 +221,12 @@ def main() -> None:
     elapsed = time.perf_counter() - start
     accelerator.print(f"trained {step} steps ({step / steps_per_epoch:.2f} epochs) in {elapsed:.1f} s")
 
-    # ---- a sample from the trained model, written by the main process
+    # ---- a sample from the trained model, written by the main process. The weights are gathered into
+    # one plain model first (every process takes part): a sharded or split model is whole nowhere.
+    weights = accelerator.get_state_dict(model)
     if args.sample_chars > 0 and accelerator.is_main_process:
-        raw_model = accelerator.unwrap_model(model)
+        raw_model = GPT(config).to(accelerator.device)
+        raw_model.load_state_dict(weights)
         raw_model.eval()
         start_token = tokenizer.stoi.get("\n", 0)
         context = torch.tensor([[start_token]], device=accelerator.device)
