@@ -152,7 +152,11 @@ def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_st
     assert abs(losses[0] - math.log(vocab)) < 0.3, losses  # starts near ln(vocab)
     assert losses[-1] < losses[0] - 0.1, losses  # and it trains
     # 4 sequences x 16 tokens x 2 micro-steps x 2 processes
-    assert "x 2 data-parallel process(es)" in header and "x 2 micro-step(s)" in header and "= 256 tokens per step" in header
+    assert (
+        "x 2 data-parallel process(es)" in header
+        and "x 2 micro-step(s)" in header
+        and "= 256 tokens per step" in header
+    )
     assert "trained 6 steps" in result.stdout
     assert result.stdout.count("---- sample ----") == 1
     assert not any(line.startswith("[rank1]:") and "loss" in line for line in lines)

@@ -124,7 +124,7 @@ def test_from_string_shorthands_fill_the_world():
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("auto", "parallelism='auto' (the planner choosing the layout) is not available yet"),
+        ("auto", "parallelism='auto' is not a fixed layout: the Accelerator asks the planner"),
         ("fsdp", "parallelism='fsdp' is not understood: pass one of 'ddp', 'zero1'"),
         ("tp=2", "'tp=2' is not FIELD=VALUE with a known FIELD"),
         ("tp_size=two", "tp_size='two' is not a whole number"),

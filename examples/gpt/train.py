@@ -123,11 +123,7 @@ def main() -> None:
     train_tokens, val_tokens = train_val_split(torch.tensor(tokenizer.encode(text), dtype=torch.long))
     train_ds = CharWindows(train_tokens, args.block_size)
     val_ds = CharWindows(val_tokens, args.block_size)
-    # evaluate on a fixed slice of the validation windows: eval_batches batches on each process
-    dp_size = accelerator.parallelism.dp_size  # processes reading different batches
-    val_ds = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * dp_size)))
     train_dl = DataLoader(train_ds, batch_size=args.batch_size, shuffle=True, drop_last=True)
-    val_dl = DataLoader(val_ds, batch_size=args.batch_size)
 
     # ---- model, optimizer, schedule
     config = GPTConfig(
@@ -154,9 +150,12 @@ def main() -> None:
         optimizer, lr_lambda(args.warmup_steps, args.max_steps, args.min_lr_ratio)
     )
 
-    model, optimizer, train_dl, val_dl, scheduler = accelerator.prepare(
-        model, optimizer, train_dl, val_dl, scheduler
-    )
+    model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
+    # evaluate on a fixed slice of the validation windows: eval_batches batches per data-parallel
+    # process (the layout, and so their number, is known once the model is prepared: --parallelism auto)
+    dp_size = accelerator.parallelism.dp_size
+    val_ds = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * dp_size)))
+    val_dl = accelerator.prepare(DataLoader(val_ds, batch_size=args.batch_size))
     # --resume: weights, optimizer, schedule, RNG and the data position inside the interrupted epoch
     if args.resume and accelerator.load_state(missing_ok=True):
         accelerator.print(f"resumed at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}")

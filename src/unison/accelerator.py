@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import weakref
 from collections.abc import Callable, Iterator
@@ -18,7 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
 from . import launch_env, ops
@@ -34,6 +37,7 @@ from .checkpoint import (
     save_model_weights,
     save_training_state,
 )
+from .checkpoint.weights import consolidated_state_dict
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
 from .item_count import ItemCount, scale_gradients
 from .kwargs_handlers import (
@@ -44,15 +48,19 @@ from .kwargs_handlers import (
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .parallel.apply import (
+    attach_loss_parallel,
     data_parallel_engine,
     parallelize,
     replaced_parameters,
     switch_optimizer_parameters,
 )
-from .parallel.config import ParallelismConfig
+from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
-from .parallel.zero import full_state_dict, shard_optimizer_state, skip_gradient_sync
+from .parallel.pipeline import PipelineModel
+from .parallel.tensor import tensor_parallel_plan
+from .parallel.zero import shard_optimizer_state, skip_gradient_sync
+from .planner import Plan, detect_hardware, plan_parallelism
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
 
@@ -129,13 +137,47 @@ class Accelerator:
             self.project_configuration.set_directories(project_dir)
         if parallelism is None:
             parallelism = launch_env.env_str(launch_env.PARALLELISM, "ddp")
-        # Pure check of the degrees against the world size: every rank raises the same error, before work.
-        self.parallelism = ParallelismConfig.coerce(parallelism).validate(self.num_processes)
-        if self.parallelism.legacy_data_parallel:
-            check_data_parallel_devices(torch.cuda.device_count() if self.device.type == "cuda" else 0)
-        self.device_mesh = build_device_mesh(self.parallelism, self.device.type)
+        self.plan: Plan | None = None  # the planner's verdict, when parallelism="auto"
+        self.parallelism: ParallelismConfig | None = None
+        self.device_mesh: DeviceMesh | None = None
+        if not is_auto(parallelism):  # "auto": chosen from the first model prepare() sees
+            # Pure check of the degrees against the world size: every rank raises the same error, before work.
+            self._set_layout(ParallelismConfig.coerce(parallelism).validate(self.num_processes))
         # id(parameter before prepare) -> its sharded replacement, for optimizers built before prepare().
         self._replaced_parameters: dict[int, torch.nn.Parameter] = {}
+
+    def _set_layout(self, config: ParallelismConfig) -> None:
+        if config.legacy_data_parallel:
+            check_data_parallel_devices(torch.cuda.device_count() if self.device.type == "cuda" else 0)
+        self.parallelism = config
+        self.device_mesh = build_device_mesh(config, self.device.type)
+
+    def _plan_layout(self, model: torch.nn.Module) -> None:
+        """parallelism="auto": the planner's layout for `model` on this job's hardware (process 0's verdict).
+
+        Every input is the same on every rank, but the link probe (nvidia-smi) runs per node, so process
+        0's plan is broadcast: all ranks must build the same mesh or they would wait on each other forever.
+        """
+        precision = "fp32" if self.mixed_precision == "no" else "bf16-mixed"
+        hardware = detect_hardware(self.num_processes, self.state.num_local_processes, self.device)
+        # Pipelines need the loop's forward_backward call, which prepare() cannot see: never chosen here.
+        tensor_parallel = _has_tensor_parallel_plan(model)
+        plan = plan_parallelism(
+            model, hardware, precision=precision, pipeline=False, tensor_parallel=tensor_parallel
+        )
+        if self.num_processes > 1:
+            plan = ops.broadcast_object_list([plan])[0]
+        logger.info("parallelism='auto' chose %s: %s", plan.config.describe(), " ".join(plan.reasons))
+        self.plan = plan
+        self._set_layout(plan.config.validate(self.num_processes))
+
+    def _layout_needed(self, action: str) -> ParallelismConfig:
+        if self.parallelism is None:
+            raise ValueError(
+                f"{action} needs the parallel layout, which parallelism='auto' chooses from the model: "
+                "prepare the model first, or in the same call: accelerator.prepare(model, optimizer, loader)."
+            )
+        return self.parallelism
 
     # -- process facts (the shared state's) ---------------------------------------------------------
     @property
@@ -257,10 +299,13 @@ class Accelerator:
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
         """Move `model` to the device and wrap it for the run's layout (DDP, ZeRO-1/2/3, HSDP, ...)."""
         self._check_preparable(model)
-        if self.parallelism.pp_size > 1 or self.parallelism.tp_size > 1:
-            raise NotImplementedError(
-                f"prepare() cannot yet wrap a model for the layout {self.parallelism.describe()}: tensor and "
-                "pipeline parallel through prepare() are being built; use data parallelism (ddp, zero1-3)."
+        if self.parallelism is None:
+            self._plan_layout(model)
+        if self.parallelism.pp_size > 1 and self.precision.scaler is not None:
+            raise ValueError(
+                f"mixed_precision='fp16' with pipeline parallelism ({self.parallelism.describe()}): the fp16 "
+                "loss scaler needs every stage's gradients on one rank to decide a skip. Use "
+                "mixed_precision='bf16' (no scaler) or a layout without pp_size."
             )
         if device_placement is None:
             device_placement = self.device_placement
@@ -271,7 +316,11 @@ class Accelerator:
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)
-        self.precision.attach_to(prepared)
+        # hooks go where forward runs: the stage modules of a pipeline, else the model itself
+        for part in prepared.stage_modules if isinstance(prepared, PipelineModel) else [prepared]:
+            self.precision.attach_to(part)
+            if self.parallelism.loss_parallel:
+                attach_loss_parallel(part)
         self._remember(model, prepared)
         self._models.append(prepared)
         return prepared
@@ -297,7 +346,8 @@ class Accelerator:
             # load_state_dict casts the state onto each parameter's device (now the run's device).
             optimizer.load_state_dict(optimizer.state_dict())
         switch_optimizer_parameters(optimizer, self._replaced_parameters)
-        if self.parallelism.zero_stage == 1 and data_parallel_engine(self.parallelism) == "ddp":
+        layout = self._layout_needed("prepare_optimizer()")
+        if layout.zero_stage == 1 and data_parallel_engine(layout) == "ddp":
             optimizer = shard_optimizer_state(optimizer, self.device_mesh["dp_shard"])
         prepared = AcceleratedOptimizer(optimizer, scaler=self.precision.scaler)
         self._remember(optimizer, prepared)
@@ -322,10 +372,11 @@ class Accelerator:
         self._check_preparable(data_loader)
         if device_placement is None:
             device_placement = self.device_placement
+        layout = self._layout_needed("prepare_data_loader()")
         dp_mesh = data_parallel_mesh(self.device_mesh)
         if self.dispatch_batches and dp_mesh is not None and dp_mesh.size() != self.num_processes:
             raise NotImplementedError(
-                f"dispatch_batches=True with the layout {self.parallelism.describe()}: process 0 would "
+                f"dispatch_batches=True with the layout {layout.describe()}: process 0 would "
                 "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
                 "dispatch_batches unset so that each data-parallel rank reads its own shard."
             )
@@ -407,7 +458,12 @@ class Accelerator:
             loss = loss / self.gradient_accumulation_steps
         if self.precision.scaler is not None:
             loss = self.precision.scaler.scale(loss)
-        loss.backward(**kwargs)
+        with self._loss_parallel():
+            loss.backward(**kwargs)
+        self._end_backward(counted)
+
+    def _end_backward(self, counted: Any) -> None:
+        """Count this micro-step's items; on the window's last, normalise the summed gradients by them."""
         if counted is not None:
             self._item_count.add(counted)
         if self.sync_gradients:
@@ -430,10 +486,50 @@ class Accelerator:
         pipeline parallelism, where no rank holds the whole model: there it runs the pipeline schedule
         over the micro-batches and every rank gets the loss. Use it inside `accumulate()` as usual.
         """
+        if isinstance(model, PipelineModel):
+            counted = self._item_count.begin_backward(num_items)
+            # a mean loss: gradients of the micro-batches' mean, divided over the accumulation window;
+            # a summed loss (num_items): gradients of the micro-batches' sum, normalised at the window end
+            divide_by = self.gradient_accumulation_steps if counted is None else 1 / model.microbatches
+            with self._loss_parallel():
+                loss = model.step(inputs, target, loss_fn, divide_by=divide_by)
+            self._end_backward(counted)
+            return loss if counted is None else loss * model.microbatches
         args = inputs if isinstance(inputs, tuple) else (inputs,)
-        loss = loss_fn(model(*args), target)
+        output = model(*args)
+        with self._loss_parallel():
+            loss = loss_fn(output, target)
         self.backward(loss, num_items=num_items)
-        return loss.detach()
+        loss = loss.detach()
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    @torch.no_grad()
+    def forward_loss(
+        self,
+        model: torch.nn.Module,
+        inputs: torch.Tensor | tuple[torch.Tensor, ...],
+        target: Any,
+        loss_fn: Callable[[Any, Any], torch.Tensor],
+    ) -> torch.Tensor:
+        """Forward only (evaluation): `loss_fn(model(*inputs), target)`, detached, on every rank.
+
+        The evaluation twin of `forward_backward`: under pipeline parallelism it runs the schedule's
+        forward over the micro-batches; elsewhere it is the plain call under torch.no_grad().
+        """
+        if isinstance(model, PipelineModel):
+            with self._loss_parallel():
+                return model.evaluate(inputs, target, loss_fn)
+        args = inputs if isinstance(inputs, tuple) else (inputs,)
+        output = model(*args)
+        with self._loss_parallel():
+            loss = loss_fn(output, target)
+        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _loss_parallel(self) -> contextlib.AbstractContextManager:
+        """torch's loss_parallel() when the layout computes the loss on vocabulary-sharded logits."""
+        if self.parallelism is not None and self.parallelism.loss_parallel:
+            return loss_parallel()
+        return contextlib.nullcontext()
 
     def _normalise_by_item_count(self) -> None:
         """Turn the window's summed gradients into the gradient of the mean over all its items.
@@ -463,12 +559,28 @@ class Accelerator:
     def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
         """Clip the gradients' total norm (all-reduced on sync steps); returns the norm before clipping.
 
-        Over sharded gradients (DTensors) torch computes the norm of the whole gradient; it is returned
-        as a plain tensor, the same on every rank.
+        Over sharded gradients (DTensors) torch computes the norm of the whole gradient; under pipeline
+        parallelism the stages' norms are combined over the pipeline ranks (a tied weight counted once),
+        so every rank clips by the norm of the whole model's gradient, returned as a plain tensor.
         """
         self.unscale_gradients()
-        norm = torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type=norm_type)
-        return norm.full_tensor() if isinstance(norm, DTensor) else norm
+        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        pipeline = next((m for m in self._models if isinstance(m, PipelineModel)), None)
+        counted = parameters
+        if pipeline is not None:
+            once = {id(p) for p in pipeline.norm_parameters()}
+            counted = [p for p in parameters if id(p) in once]
+        norm = _total_norm([p.grad for p in counted if p.grad is not None], norm_type)
+        if pipeline is not None:
+            norm = _combine_norms(norm, norm_type, self.device_mesh["pp"].get_group())
+        # torch's foreach kernels refuse a list mixing DTensors of different meshes or with plain tensors
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for parameter in parameters:
+            key = id(parameter.device_mesh) if isinstance(parameter, DTensor) else None
+            groups.setdefault(key, []).append(parameter)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
+        return norm
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp each gradient element to [-clip_value, clip_value]."""
@@ -589,7 +701,7 @@ class Accelerator:
         full tensors on CPU; the others get an empty dict (Accelerate's behaviour for FSDP).
         """
         del unwrap  # the keys are always the unwrapped model's (Accelerate's default)
-        return full_state_dict(model)
+        return consolidated_state_dict(model)
 
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True
@@ -603,6 +715,44 @@ class Accelerator:
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""
         self.wait_for_everyone()
+
+
+def _has_tensor_parallel_plan(model: torch.nn.Module) -> bool:
+    """Whether a built-in tensor-parallel plan recognises `model` (the planner may then choose TP)."""
+    try:
+        tensor_parallel_plan(model)
+    except ValueError:
+        return False
+    return True
+
+
+def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
+    """The norm of all `grads` together: sharded ones (DTensor) as whole tensors, plain ones as they are.
+
+    torch's norm kernels take one kind at a time: DTensors of one mesh (FSDP over TP leaves the norms
+    on the data-parallel mesh and the TP weights on the 2-D one), or plain tensors.
+    """
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for grad in grads:
+        key = id(grad.device_mesh) if isinstance(grad, DTensor) else None
+        groups.setdefault(key, []).append(grad)
+    norms = []
+    for group in groups.values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.zeros(())
+    return torch.nn.utils.get_total_norm(norms, norm_type)
+
+
+def _combine_norms(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:
+    """The norm of the concatenation of the pieces whose norms the ranks of `group` hold."""
+    if math.isinf(norm_type):
+        torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX, group=group)
+        return norm
+    powered = norm**norm_type
+    torch.distributed.all_reduce(powered, group=group)
+    return powered ** (1.0 / norm_type)
 
 
 def _all_leaves_are_tensors(data: Any) -> bool:

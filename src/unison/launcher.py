@@ -34,7 +34,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
 from . import launch_env
-from .parallel.config import ParallelismConfig
+from .parallel.config import ParallelismConfig, is_auto
 from .state import validate_mixed_precision
 
 logger = logging.getLogger("unison")
@@ -168,6 +168,8 @@ def validate(options: LaunchOptions) -> int:
 
 def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
     """Parse --parallelism; with a fixed node count, check its degrees against the world size too."""
+    if is_auto(parallelism):
+        return  # the planner picks the layout inside the workers, from the model
     try:
         config = ParallelismConfig.from_string(parallelism)
         if min_nodes == max_nodes:
@@ -225,7 +227,8 @@ def worker_environment(
     if timeout is not None:
         env[launch_env.TIMEOUT] = f"{timeout:g}"
     if parallelism is not None:
-        ParallelismConfig.from_string(parallelism)  # a wrong string fails here, not in N workers
+        if not is_auto(parallelism):
+            ParallelismConfig.from_string(parallelism)  # a wrong string fails here, not in N workers
         env[launch_env.PARALLELISM] = parallelism.strip()
     if "OMP_NUM_THREADS" not in os.environ:
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.

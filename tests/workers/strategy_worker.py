@@ -36,6 +36,7 @@ GLOBAL_BATCH = 8  # samples per optimizer step, whatever the layout
 BLOCK = 16
 SEED = 1234
 IGNORE = -100
+MAX_NORM = 0.6  # gradient norms of these runs are ~0.5-1.0: some steps clip, some do not
 RUNS = {  # name: (optimizer, accumulation steps, summed token loss with num_items)
     "sgd": ("sgd", 1, False),
     "sgd_acc2": ("sgd", 2, False),
@@ -73,19 +74,34 @@ def token_loss(
     return loss, (targets != IGNORE).sum()
 
 
+def summed_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch.Tensor:
+    """The model's output without targets is (logits, None): the sum over the valid tokens."""
+    return token_loss(output[0], targets, summed=True)[0]
+
+
+def mean_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch.Tensor:
+    return token_loss(output[0], targets, summed=False)[0]
+
+
+def count(targets: torch.Tensor) -> torch.Tensor:
+    return (targets != IGNORE).sum()
+
+
 def reference(optimizer_name: str, summed: bool) -> dict[str, torch.Tensor]:
     """One process, plain torch: each step's GLOBAL_BATCH samples in one batch, the mean over its tokens."""
     model = make_tiny_gpt(SEED, BLOCK)
     optimizer = make_optimizer(optimizer_name, model)
     inputs, targets = make_dataset(padded=summed).tensors
+    norms = []
     for step in range(STEPS):
         rows = slice(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH)
         logits, _ = model(inputs[rows])
         loss, valid = token_loss(logits, targets[rows], summed)
         (loss / valid if summed else loss).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
         optimizer.zero_grad()
-    return model.state_dict()
+    return model.state_dict(), norms
 
 
 def local_bytes(tensor: torch.Tensor | None) -> int:
@@ -120,20 +136,35 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
     loader = DataLoader(make_dataset(padded=summed), batch_size=micro_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     memory: dict[str, int] = {}
+    norms: list[float] = []
+    pipeline = accelerator.parallelism.pp_size > 1
     for inputs, targets in loader:
         with accelerator.accumulate(model):
-            logits, _ = model(inputs)
-            loss, valid = token_loss(logits, targets, summed)
-            memory["params"] = sum(local_bytes(p) for p in unique_params(model))
-            accelerator.backward(loss, num_items=valid if summed else None)
+            if summed:  # the one-call form, which also runs pipelines
+                valid = count(targets)
+                loss = accelerator.forward_backward(model, inputs, targets, summed_loss, num_items=valid)
+            elif pipeline:  # no rank holds the whole model: the one call runs the schedule
+                loss = accelerator.forward_backward(model, inputs, targets, mean_loss)
+                memory["params"] = sum(local_bytes(p) for p in unique_params(model))
+            else:  # the ordinary loop: the model computes its mean loss
+                _, loss = model(inputs, targets)
+                memory["params"] = sum(local_bytes(p) for p in unique_params(model))
+                accelerator.backward(loss)
+            if accelerator.sync_gradients:
+                norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
             optimizer.step()
             if accelerator.sync_gradients:
                 memory["grads"] = sum(local_bytes(p.grad) for p in unique_params(model))
                 memory["optimizer"] = optimizer_state_bytes(optimizer)
             optimizer.zero_grad()
     full = accelerator.get_state_dict(model)
-    expected = reference(optimizer_name, summed)
-    result = {"memory": memory, "engine": type(model).__name__}
+    expected, expected_norms = reference(optimizer_name, summed)
+    result = {
+        "memory": memory,
+        "engine": type(model).__name__,
+        "norms": norms,
+        "expected_norms": expected_norms,
+    }
     if accelerator.is_main_process:
         result["keys_match"] = sorted(full) == sorted(expected)
         result["max_abs_diff"] = max((full[k] - expected[k]).abs().max().item() for k in expected)

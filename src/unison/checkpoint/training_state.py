@@ -3,9 +3,11 @@
 What a checkpoint holds: every prepared model, optimizer and scheduler, the fp16 scaler, every
 prepared DataLoader's position (in samples, so it loads on another number of processes), the objects
 given to `register_for_checkpointing`, the step counters, and each process's RNG states. Replicated
-state is written once, by the main process; each process writes its own RNG states. The directory is
-made atomic and verifiable by `storage.write_checkpoint`, and everything loads with
-`torch.load(weights_only=True)`: a checkpoint never executes code.
+state is written once, by the main process; each process writes its own RNG states. A model whose
+state is sharded (see `sharded.model_layouts`) is written with its optimizers through DCP instead,
+each process its own shards (`sharded.py`). The directory is made atomic and verifiable by
+`storage.write_checkpoint`, and everything loads with `torch.load(weights_only=True)` (DCP's metadata
+with an unpickler that builds only its own types): a checkpoint never executes code.
 """
 
 from __future__ import annotations
@@ -15,9 +17,12 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from .. import ops
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
+from . import sharded
 from .storage import CheckpointError, load_object, save_object, verify_checkpoint, write_checkpoint
 
 if TYPE_CHECKING:
@@ -53,14 +58,44 @@ def _counters(accelerator: Accelerator) -> dict[str, Any]:
     }
 
 
+def _model_parts(accelerator: Accelerator) -> tuple[dict[str, tuple[torch.nn.Module, Any]], set[str]]:
+    """(file name -> (its model, the model or optimizer itself)) for every model and every optimizer
+    of a model's parameters, and the names of those whose live layout is sharded (saved through DCP).
+
+    Collective: the layouts are agreed on by every process.
+    """
+    models, optimizers = accelerator._models, accelerator._optimizers
+    parts: dict[str, tuple[torch.nn.Module, Any]] = {}
+    sharded_names: set[str] = set()
+    for i, layout in enumerate(sharded.model_layouts(models, optimizers)):
+        names = [f"model_{i}.pt", *(f"optimizer_{j}.pt" for j in layout.optimizers)]
+        parts[names[0]] = (models[i], models[i])
+        parts.update((f"optimizer_{j}.pt", (models[i], optimizers[j])) for j in layout.optimizers)
+        if layout.sharded:
+            sharded_names.update(names)
+    return parts, sharded_names
+
+
+def _part_directory(directory: Path, name: str) -> Path:
+    return directory / name.removesuffix(".pt")
+
+
 def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
     """Write the training state into `directory` (atomically; every process must call this)."""
     state = PartialState()
     metadata = {"optimizer_steps": accelerator.optimizer_steps, "world_size": state.num_processes}
+    model_parts, sharded_parts = _model_parts(accelerator)
     with write_checkpoint(directory, metadata=metadata) as staging:
+        for name in sorted(sharded_parts):  # collective: the same order on every process
+            model, part = model_parts[name]
+            if part is model:
+                sharded.save_model_state(model, _part_directory(staging, name))
+            else:
+                sharded.save_optimizer_state(model, part, _part_directory(staging, name))
         if state.is_main_process:
             for name, part in _replicated_parts(accelerator).items():
-                save_object(part.state_dict(), staging / name)
+                if name not in sharded_parts:
+                    save_object(part.state_dict(), staging / name)
             save_object(_counters(accelerator), staging / COUNTERS_FILE)
         save_object(get_rng_state(), staging / f"rng_state_{state.process_index}.pt")
     logger.info("saved the training state to %s", directory)
@@ -86,23 +121,83 @@ def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any
     return loaded, None
 
 
+def _read_sharded(
+    directory: Path, names: list[str], model_parts: dict[str, tuple[torch.nn.Module, Any]]
+) -> tuple[dict[str, Any], BaseException | None]:
+    """Read the DCP parts into new tensors (nothing applied); the first failure is returned, not raised.
+
+    Collective. A DCP failure is reported to every process alike, so all stop at the same part.
+    """
+    staged: dict[str, Any] = {}
+    for name in names:
+        if name not in model_parts:
+            return staged, CheckpointError(
+                f"{_part_directory(directory, name)} holds sharded optimizer state, keyed by the names of "
+                "its model's parameters, but this run's optimizer of that index optimizes no prepared model. "
+                "Prepare the model with its optimizer, as the run that saved it did."
+            )
+        model, part = model_parts[name]
+        path = _part_directory(directory, name)
+        try:
+            if part is model:
+                staged[name] = sharded.read_model_state(model, path)
+            else:
+                staged[name] = sharded.read_optimizer_state(model, part, path)
+        except CheckpointError as exc:
+            return staged, exc
+    return staged, None
+
+
+def _apply(
+    name: str, part: Any, model_parts: dict, sharded_parts: set[str], staged: dict, loaded: dict
+) -> None:
+    """Put one part's loaded state into the live object, whatever the saved and the live layouts."""
+    if name in staged:  # saved sharded: DCP read the pieces this process's layout needs
+        model, live = model_parts[name]
+        if live is model:
+            sharded.apply_model_state(model, staged[name])
+        else:
+            sharded.apply_optimizer_state(model, live, staged[name])
+    elif name in sharded_parts:  # saved whole by a plain or DDP run, loaded into a sharded layout
+        model, live = model_parts[name]
+        if live is model:
+            sharded.apply_full_model_state(model, loaded[name])
+        else:
+            sharded.apply_full_optimizer_state(model, live, loaded[name])
+    else:
+        part.load_state_dict(loaded[name])
+
+
 def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     """Restore everything `save_training_state` wrote, into the objects this Accelerator prepared.
 
     The main process checks every file's size and checksum while all processes read theirs (one
     read of each file on each process, not one to check and one to load); nothing is applied until
-    the check has passed, and a failed check raises the same error on every process.
+    the check has passed, and a failed check raises the same error on every process. Model and
+    optimizer parts saved through DCP are read, on each process, into new tensors laid out like its
+    own shards; parts load across layouts (sharded <-> plain, another number of processes).
     """
     state = PartialState()
     parts = _replicated_parts(accelerator)
+    model_parts, sharded_parts = _model_parts(accelerator)
+    saved_sharded = sorted(
+        name
+        for name in parts
+        if name.startswith(("model_", "optimizer_"))
+        and sharded.is_sharded_part(_part_directory(directory, name))
+    )
+    torch_files = [name for name in [*parts, COUNTERS_FILE] if name not in saved_sharded]
     with ThreadPoolExecutor(max_workers=1) as pool:
         check = pool.submit(_checked_on_main_process, directory) if state.is_main_process else None
-        loaded, read_error = _read(directory, [*parts, COUNTERS_FILE], accelerator.device)
+        loaded, read_error = _read(directory, torch_files, accelerator.device)
+        staged, stage_error = _read_sharded(directory, saved_sharded, model_parts)
         verdict = check.result() if check is not None else None
     manifest, error = ops.broadcast_object_list(list(verdict or (None, None)), from_process=0)
     if error is not None:
         raise CheckpointError(error)
-    missing = sorted(name for name in [*parts, COUNTERS_FILE] if name not in manifest["files"])
+    expected = {name: name for name in torch_files}
+    expected.update((name, f"{name.removesuffix('.pt')}/{sharded.DCP_METADATA}") for name in saved_sharded)
+    missing = sorted(name for name, file in expected.items() if file not in manifest["files"])
     if missing:
         raise CheckpointError(
             f"{directory} has no {', '.join(missing)}: it was saved from a run that prepared fewer models, "
@@ -111,8 +206,16 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
         )
     if read_error is not None:
         raise read_error
+    if stage_error is not None:
+        raise stage_error
+    for name in sharded_parts.difference(staged):  # whole-model files into a sharded layout: fit first
+        model, live = model_parts[name]
+        if live is model:
+            sharded.check_full_model_state(model, loaded[name])
+        else:
+            sharded.check_full_optimizer_state(live, loaded[name])
     for name, part in parts.items():
-        part.load_state_dict(loaded[name])
+        _apply(name, part, model_parts, sharded_parts, staged, loaded)
     counters = loaded[COUNTERS_FILE]
     accelerator.step = counters["step"]
     for optimizer, steps in zip(accelerator._optimizers, counters["optimizer_steps"]):

@@ -1,10 +1,20 @@
-"""Consolidated model weights for use without unison: one safetensors file (or torch.save as fallback)."""
+"""Consolidated model weights for use without unison: one safetensors file (or torch.save as fallback).
+
+`consolidated_state_dict` gathers the full, unsharded state dict of a model from any layout (plain,
+DDP, FSDP2/ZeRO, tensor parallel, pipeline stages that each hold some of the keys) onto process 0;
+`save_consolidated_weights` writes it as the very file one process would write for the same weights.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+from ..parallel.ddp import unwrap
+from ..state import PartialState
 
 SAFETENSORS_FILE = "model.safetensors"
 TORCH_FILE = "pytorch_model.bin"
@@ -15,11 +25,24 @@ def save_model_weights(model: torch.nn.Module, directory: Path, safe_serializati
 
     safetensors stores tensors only (nothing to execute on load) and keeps tied weights once;
     `safetensors.torch.load_model(model, path)` reads them back into a freshly built model.
+    One process, a model whose state dict is complete on it: for any layout use
+    `save_consolidated_weights`.
+    """
+    return write_weights(model.state_dict(), directory, safe_serialization)
+
+
+def write_weights(
+    state_dict: dict[str, torch.Tensor], directory: Path, safe_serialization: bool = True
+) -> Path:
+    """Write a complete state dict as `model.safetensors` (or `pytorch_model.bin`); returns the file.
+
+    Entries that are one tensor (tied weights) are written once, exactly as safetensors' save_model
+    does for a module: the same names kept, the same metadata recording the dropped ones.
     """
     directory.mkdir(parents=True, exist_ok=True)
     if not safe_serialization:
         path = directory / TORCH_FILE
-        torch.save(model.state_dict(), path)
+        torch.save(state_dict, path)
         return path
     try:
         from safetensors.torch import save_model
@@ -30,5 +53,96 @@ def save_model_weights(model: torch.nn.Module, directory: Path, safe_serializati
             "safe_serialization=False for a torch.save file."
         ) from None
     path = directory / SAFETENSORS_FILE
-    save_model(model, str(path))
+    save_model(_StateDictHolder(state_dict), str(path))
+    return path
+
+
+class _StateDictHolder(torch.nn.Module):
+    """Hands safetensors' save_model a ready state dict: it reads nothing but `state_dict()`, so its
+    handling of tied weights applies to a consolidated dict as it does to the module itself."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        self._weights = state_dict
+
+    def state_dict(self, *args, **kwargs) -> dict[str, torch.Tensor]:
+        return dict(self._weights)
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _tie(state: dict[str, torch.Tensor], module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Entries of one shared parameter or buffer (tied weights) share one tensor again after gathering
+    copied them apart, as in `module.state_dict()`."""
+    names: dict[int, list[str]] = {}
+    for name, tensor in [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]:
+        names.setdefault(id(tensor), []).append(name)
+    for group in names.values():
+        present = [name for name in group if name in state]
+        for name in present[1:]:
+            state[name] = state[present[0]]
+    return state
+
+
+def consolidated_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
+    """The full, unsharded state dict of `model` on CPU, keyed as the user's module, from any layout.
+
+    Collective when processes run together: every process calls it. Process 0 receives the tensors
+    (the others get an empty dict, which spares their memory) unless `all_ranks` is True. Tied weights
+    share one tensor, as in `module.state_dict()`; and as there, the tensors of a model that is whole on
+    each process (plain, DDP) on the CPU are the live ones: clone them to keep a snapshot while training
+    goes on. Pipeline stages (processes holding different keys) each contribute their own keys,
+    gathered in the order of the processes.
+    """
+    module = unwrap(model)
+    if not _distributed():
+        return _tie({key: value.detach().cpu() for key, value in module.state_dict().items()}, module)
+    world = dist.get_world_size()
+    keys = list(get_model_state_dict(module).keys())
+    everyone: list[list[str] | None] = [None] * world
+    dist.all_gather_object(everyone, keys)
+    if all(other == keys for other in everyone):
+        state = get_model_state_dict(
+            module, options=StateDictOptions(full_state_dict=True, cpu_offload=not all_ranks)
+        )
+        state = {key: value.cpu() for key, value in state.items()}
+        return _tie(state, module) if state else state
+    # Pipeline stages: each process gathers its stage's full tensors (collective inside a stage's mesh),
+    # then the lowest process holding a key sends it to process 0.
+    rank = dist.get_rank()
+    full = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    owner = {}
+    for process, its_keys in enumerate(everyone):
+        for key in its_keys:
+            owner.setdefault(key, process)
+    mine = _tie({key: value.cpu() for key, value in full.items() if owner[key] == rank}, module)
+    pieces: list[dict[str, torch.Tensor] | None] = [None] * world
+    if all_ranks:
+        dist.all_gather_object(pieces, mine)
+    else:
+        dist.gather_object(mine, pieces if rank == 0 else None, dst=0)
+        if rank != 0:
+            return {}
+    return {key: value for piece in pieces for key, value in piece.items()}
+
+
+def save_consolidated_weights(
+    model: torch.nn.Module, directory: Path, safe_serialization: bool = True
+) -> Path:
+    """Write `model`'s consolidated weights from any layout; process 0 writes. Collective.
+
+    The file holds exactly what one process would write for the same weights with `save_model_weights`
+    (same names, tied weights once, same metadata). Returns the file's path on every process.
+    """
+    state = consolidated_state_dict(model)
+    path = directory / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
+    partial = PartialState()
+    if partial.is_main_process:
+        write_weights(state, directory, safe_serialization)
+    partial.wait_for_everyone()
     return path

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import __version__
-from . import env, estimate_memory, launch
+from . import env, estimate_memory, launch, plan
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     launch.register(subcommands)
     env.register(subcommands)
     estimate_memory.register(subcommands)
+    plan.register(subcommands)
     return parser
 
 

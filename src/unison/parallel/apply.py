@@ -13,26 +13,39 @@ only decides which run, on which sub-mesh of the one DeviceMesh, and in what ord
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor.parallel import loss_parallel
+from torch.utils._pytree import tree_map
 
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
 from .mesh import data_parallel_mesh
+from .pipeline import build_pipeline, split_model
+from .tensor import apply_tensor_parallel
 from .zero import apply_zero
 
 logger = logging.getLogger("unison")
 
 
 def data_parallel_engine(config: ParallelismConfig) -> str:
-    """ "none", "ddp" or "fsdp": how gradients are combined over the data-parallel dimensions."""
+    """"none", "ddp", "fsdp" or "dataparallel": how gradients are combined over data-parallel copies.
+
+    FSDP2 whenever ZeRO-2/3 is asked for, and also with tensor or pipeline parallelism: DDP cannot
+    wrap DTensor parameters, and its reducer breaks under torch's pipeline schedules (engine notes,
+    tests/test_pipeline.py), so replicas of a TP or PP model are FSDP2 units too.
+    """
+    if config.legacy_data_parallel:
+        return "dataparallel"
     if config.dp_size == 1:
         return "none"
-    if config.zero_stage in (2, 3) or (config.tp_size or 1) > 1:
+    if config.zero_stage in (2, 3) or (config.tp_size or 1) > 1 or (config.pp_size or 1) > 1:
         return "fsdp"
     return "ddp"
 
@@ -40,9 +53,9 @@ def data_parallel_engine(config: ParallelismConfig) -> str:
 def fsdp_stage(config: ParallelismConfig) -> int:
     """The ZeRO stage FSDP2 runs: 3 reshards parameters after forward; 2 (and replicas under TP) keep them.
 
-    With tensor parallelism and no sharding asked for (pure replicas, or ZeRO-1), FSDP2 stands in for
-    DDP with `reshard_after_forward=False`: the same arithmetic, gradients reduce-scattered instead of
-    all-reduced (the same bytes on the wire), and less memory than DDP would hold.
+    With tensor or pipeline parallelism and no sharding asked for (pure replicas, or ZeRO-1), FSDP2
+    stands in for DDP with `reshard_after_forward=False`: the same arithmetic, gradients
+    reduce-scattered instead of all-reduced (the same bytes on the wire), less memory than DDP holds.
     """
     return 3 if config.zero_stage == 3 else 2
 
@@ -56,8 +69,41 @@ def parallelize(
 ) -> nn.Module:
     """Wrap `model` (already on `device`) for `config` over `mesh`; returns the module to train.
 
-    Call on every rank with the same arguments: the wrappers create and use process groups.
+    Under pipeline parallelism that is a `PipelineModel` holding this rank's stages, each already
+    tensor-parallel and data-parallel as the layout says. Call on every rank with the same arguments:
+    the wrappers create and use process groups.
     """
+    if (config.pp_size or 1) == 1:
+        return _parallelize_part(model, config, mesh, device, ddp_kwargs)
+    pp_mesh = mesh["pp"]
+    stages = split_model(
+        model, pp_mesh.get_local_rank(), config.pp_size, config.pp_split_points, config.pp_schedule
+    )
+    parts = [(index, _parallelize_part(stage, config, mesh, device, ddp_kwargs)) for index, stage in stages]
+    return build_pipeline(parts, pp_mesh, config.pp_schedule, pipeline_microbatches(config), device)
+
+
+def pipeline_microbatches(config: ParallelismConfig) -> int:
+    """Micro-batches per pipeline step: the config's, else pp_size (the fewest that keep 1F1B busy)."""
+    return config.pp_microbatches or config.pp_size
+
+
+def _parallelize_part(
+    model: nn.Module,
+    config: ParallelismConfig,
+    mesh: DeviceMesh | None,
+    device: torch.device,
+    ddp_kwargs: dict[str, Any],
+) -> nn.Module:
+    """Tensor parallel, then the data-parallel engine, on a whole model or one pipeline stage."""
+    if (config.tp_size or 1) > 1:
+        apply_tensor_parallel(
+            model,
+            mesh["tp"],
+            plan=config.tp_plan,
+            sequence_parallel=config.sequence_parallel,
+            loss_parallel=config.loss_parallel,
+        )
     engine = data_parallel_engine(config)
     if engine == "none" or not any(p.requires_grad for p in model.parameters()):
         return model
@@ -102,3 +148,29 @@ def switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: dict[
         )
     for group in optimizer.param_groups:
         group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+
+
+def attach_loss_parallel(model: nn.Module) -> None:
+    """Run `model`'s forward inside torch's `loss_parallel()`, so a cross-entropy it computes on
+    vocabulary-sharded logits works without gathering them; replicated DTensor outputs (the loss) are
+    handed back as plain tensors, so the loop logs and reduces them as usual. Its backward must run in
+    `loss_parallel()` too (Accelerator.backward does that)."""
+    active: list[contextlib.AbstractContextManager] = []
+
+    def enter(module: nn.Module, args: Any) -> None:
+        context = loss_parallel()
+        context.__enter__()
+        active.append(context)
+
+    def leave(module: nn.Module, args: Any, output: Any) -> Any:
+        active.pop().__exit__(None, None, None)
+        return tree_map(_replicated_to_local, output)
+
+    model.register_forward_pre_hook(enter)
+    model.register_forward_hook(leave, always_call=True)
+
+
+def _replicated_to_local(value: Any) -> Any:
+    if isinstance(value, DTensor) and all(isinstance(p, Replicate) for p in value.placements):
+        return value.to_local()
+    return value

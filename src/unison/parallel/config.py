@@ -25,7 +25,8 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (1, 2, 3)
 SHORTHANDS = ("ddp", "zero1", "zero2", "zero3", "dataparallel")
 
-_SCALAR_FIELDS = (*DEGREE_FIELDS, "zero_stage", "pp_schedule", "pp_microbatches")
+_BOOLEAN_FIELDS = ("sequence_parallel", "loss_parallel")
+_SCALAR_FIELDS = (*DEGREE_FIELDS, "zero_stage", "pp_schedule", "pp_microbatches", *_BOOLEAN_FIELDS)
 """Fields that `from_string` accepts as FIELD=VALUE (plans and split points need code)."""
 
 
@@ -52,6 +53,11 @@ class ParallelismConfig:
     pp_microbatches: micro-batches per step for the pipeline; None lets the strategy pick.
     tp_plan: module name (pattern) -> parallel style, or None for the built-in plans.
     pp_split_points: module names where a new pipeline stage begins, or None to balance by parameters.
+    sequence_parallel: with tensor parallel, also split norms and the residual stream over the sequence
+        (activation memory / tp_size there; each all-reduce becomes a reduce-scatter + all-gather).
+    loss_parallel: with tensor parallel, compute the cross-entropy on vocabulary-sharded logits without
+        gathering them (the logits' memory / tp_size); the loss must be computed by the model's forward
+        or in `Accelerator.forward_backward`, where unison enters torch's loss_parallel context.
     legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
         Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
         threads, no overloaded GPU 0; see docs/data-parallel.md).
@@ -67,6 +73,8 @@ class ParallelismConfig:
     pp_microbatches: int | None = None
     tp_plan: Mapping[str, Any] | None = None
     pp_split_points: Sequence[str] | None = None
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
     legacy_data_parallel: bool = False
 
     @classmethod
@@ -82,10 +90,11 @@ class ParallelismConfig:
             return cls(legacy_data_parallel=True)
         if value in SHORTHANDS:
             return cls(zero_stage=int(value[-1]))
-        if value == "auto":
+        if is_auto(value):
             raise ValueError(
-                "parallelism='auto' (the planner choosing the layout) is not available yet: pass one of "
-                f"{_accepted_strings()}, or a ParallelismConfig."
+                "parallelism='auto' is not a fixed layout: the Accelerator asks the planner for one at "
+                "prepare(), from the model and the hardware (see docs/planner.md). Pass 'auto' to "
+                "Accelerator(parallelism=...) or `unison launch --parallelism auto`, not to from_string."
             )
         if "=" not in value:
             raise ValueError(f"parallelism={text!r} is not understood: pass one of {_accepted_strings()}.")
@@ -99,7 +108,12 @@ class ParallelismConfig:
                 )
             if name in fields:
                 raise ValueError(f"parallelism={text!r} sets {name} twice: give each field once.")
-            fields[name] = raw if name == "pp_schedule" else _parse_int(text, name, raw)
+            if name == "pp_schedule":
+                fields[name] = raw
+            elif name in _BOOLEAN_FIELDS:
+                fields[name] = _parse_bool(text, name, raw)
+            else:
+                fields[name] = _parse_int(text, name, raw)
         return cls(**fields)
 
     @classmethod
@@ -213,11 +227,13 @@ class ParallelismConfig:
                 "processes the other degrees leave), or set zero_stage=None."
             )
         for option, value in (
+            ("sequence_parallel", self.sequence_parallel or None),
+            ("loss_parallel", self.loss_parallel or None),
             ("tp_plan", self.tp_plan),
             ("pp_split_points", self.pp_split_points),
             ("pp_microbatches", self.pp_microbatches),
         ):
-            dimension = "tp_size" if option == "tp_plan" else "pp_size"
+            dimension = "pp_size" if option.startswith("pp_") else "tp_size"
             if value is not None and getattr(self, dimension) == 1:
                 raise ValueError(
                     f"{option}={value!r} was given but {dimension}=1, so it would be ignored: set "
@@ -270,6 +286,19 @@ class ParallelismConfig:
         if (self.pp_size or 1) > 1:
             text += f", pp_schedule={self.pp_schedule}"
         return text
+
+
+def is_auto(value: object) -> bool:
+    """True for the string "auto" (any case, surrounding spaces): let the planner choose the layout."""
+    return isinstance(value, str) and value.strip().lower() == "auto"
+
+
+def _parse_bool(text: str, name: str, raw: str) -> bool:
+    if raw in ("true", "1", "yes"):
+        return True
+    if raw in ("false", "0", "no"):
+        return False
+    raise ValueError(f"parallelism={text!r}: {name}={raw!r} is not true or false; pass e.g. {name}=true.")
 
 
 def _parse_int(text: str, name: str, raw: str) -> int:

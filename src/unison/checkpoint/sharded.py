@@ -1,0 +1,453 @@
+"""Sharded model and optimizer state in a checkpoint, through torch's distributed checkpoint (DCP).
+
+A model whose state is spread over processes (FSDP2/ZeRO-2/3 and tensor-parallel DTensor parameters,
+ZeRO-1's ZeroRedundancyOptimizer, pipeline stages that each hold some of the model's keys) is saved as
+a DCP directory per part: `model_<i>/` and `optimizer_<j>/`, each holding one `__<rank>_0.distcp` file
+per process and DCP's `.metadata`. Every process writes only its own shards; replicated tensors are
+written once (DCP gives each to one process). Keys are the model's fully-qualified parameter names
+(FQNs), for the optimizer in torch's flattened form (`state.<fqn>.exp_avg`,
+`param_groups.<fqn>.lr`), so a checkpoint loads under any other layout: DCP reads, on each process,
+exactly the pieces of the saved tensors that its own shards cover.
+
+Plain and DDP models keep the `model_<i>.pt` / `optimizer_<j>.pt` files of `training_state`: one
+torch.save by the main process is the fastest way to write replicated state (benchmarks/checkpoint.py
+holds it to 1.2x of a bare torch.save), and those files load into sharded layouts here too
+(`apply_full_model_state`, `apply_full_optimizer_state`).
+
+The guarantees of the checkpoint directory hold unchanged: DCP writes into the temporary directory of
+`storage.write_checkpoint`, whose manifest lists and checksums every file. Loading reads into fresh
+tensors shaped like the live shards while the main process verifies the checksums, and applies them
+only after the check has passed. Nothing in a checkpoint is unpickled with code execution: DCP's own
+reader unpickles `.metadata` and non-tensor values with plain pickle, so reading goes through
+`SafeFileSystemReader` (an unpickler that builds DCP's metadata types only) and `SafeLoadPlanner`
+(torch.load(weights_only=True) for non-tensor values).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import pickle
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.tensor import DTensor
+
+from ..parallel.ddp import unwrap
+from .storage import CheckpointError
+
+DCP_METADATA = ".metadata"
+"""The file DCP writes last into a part's directory; a part saved sharded is recognised by it."""
+
+_FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
+_OPTIMIZER_STATE_PREFIX = "state."
+
+
+# -- which layout is sharded -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class ModelLayout:
+    """How one model's state lies across the processes, agreed on by all of them.
+
+    sharded: its state goes through DCP. True when any process holds a DTensor parameter or buffer
+    (FSDP2, tensor parallel), an optimizer of it is a ZeroRedundancyOptimizer (ZeRO-1), or the
+    processes do not all hold the same state-dict keys (pipeline stages).
+    optimizers: indices (into the list given to `model_layouts`) of the optimizers of its parameters.
+    """
+
+    sharded: bool
+    optimizers: tuple[int, ...]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The torch optimizer inside unison's AcceleratedOptimizer (or the optimizer itself)."""
+    return getattr(optimizer, "optimizer", optimizer)
+
+
+def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """The optimizer that holds this process's state: ZeRO-1's per-rank inner optimizer, else itself."""
+    optimizer = _torch_optimizer(optimizer)
+    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+
+
+def optimizers_by_model(
+    models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer]
+) -> list[tuple[int, ...]]:
+    """For each model, the indices of the optimizers whose parameters are its parameters.
+
+    An optimizer belongs to the model that holds its first parameter; an optimizer without
+    parameters belongs to none.
+    """
+    owner_of = {id(p): i for i, model in enumerate(models) for p in unwrap(model).parameters()}
+    owned: list[list[int]] = [[] for _ in models]
+    for j, optimizer in enumerate(optimizers):
+        params = [p for group in _torch_optimizer(optimizer).param_groups for p in group["params"]]
+        if params and id(params[0]) in owner_of:
+            owned[owner_of[id(params[0])]].append(j)
+    return [tuple(indices) for indices in owned]
+
+
+def model_layouts(
+    models: Sequence[nn.Module], optimizers: Sequence[torch.optim.Optimizer] = ()
+) -> list[ModelLayout]:
+    """The layout of each model (see ModelLayout). Collective: every process calls it, in the same order.
+
+    One all_gather_object of a few bytes per model (a flag and a hash of the state-dict keys) makes
+    every process take the same decision, which DCP's collectives require.
+    """
+    owned = optimizers_by_model(models, optimizers)
+    local = []
+    for model, indices in zip(models, owned):
+        module = unwrap(model)
+        tensors = [*module.parameters(), *module.buffers()]
+        zero1 = any(isinstance(_torch_optimizer(optimizers[j]), ZeroRedundancyOptimizer) for j in indices)
+        keys = hashlib.sha256("\n".join(sorted(module.state_dict())).encode()).hexdigest()
+        local.append((zero1 or any(isinstance(t, DTensor) for t in tensors), keys))
+    everyone = [local]
+    if _distributed():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    layouts = []
+    for i, indices in enumerate(owned):
+        same_keys = len({facts[i][1] for facts in everyone}) == 1
+        sharded = not same_keys or any(facts[i][0] for facts in everyone)
+        if sharded:
+            _check_optimizers_stay_in_model(models[i], [optimizers[j] for j in indices])
+        layouts.append(ModelLayout(sharded=sharded, optimizers=indices))
+    return layouts
+
+
+def _check_optimizers_stay_in_model(model: nn.Module, optimizers: Sequence[torch.optim.Optimizer]) -> None:
+    """A sharded optimizer state is keyed by its model's parameter names: all its parameters need one."""
+    names = {id(p) for p in unwrap(model).parameters()}
+    for optimizer in optimizers:
+        inner = _torch_optimizer(optimizer)
+        foreign = sum(id(p) not in names for group in inner.param_groups for p in group["params"])
+        if foreign:
+            raise ValueError(
+                f"a {type(inner).__name__} holds {foreign} parameters of another model besides those of "
+                f"{type(unwrap(model)).__name__}: a sharded checkpoint keys optimizer state by the model's "
+                "parameter names, so each optimizer must optimize one model. Create one optimizer per model."
+            )
+
+
+# -- reading without executing code ----------------------------------------------------------------
+_METADATA_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.filesystem")
+_METADATA_GLOBALS = {
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    ("pathlib", "PosixPath"),
+    ("pathlib", "WindowsPath"),
+    ("pathlib", "PurePosixPath"),
+    ("pathlib", "PureWindowsPath"),
+    ("collections", "OrderedDict"),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Builds only what DCP's metadata is made of: its dataclasses, torch.Size, dtypes, layouts, paths."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        # Only modules known to hold metadata types are imported at all, and no `module.attr.attr` paths.
+        known = module in _METADATA_MODULES or module == "torch" or (module, name) in _METADATA_GLOBALS
+        found = super().find_class(module, name) if known and "." not in name else None
+        allowed = found is not None and (
+            (module, name) in _METADATA_GLOBALS
+            or (module in _METADATA_MODULES and isinstance(found, type) and found.__module__ == module)
+            or (module == "torch" and isinstance(found, torch.dtype))
+        )
+        if not allowed:
+            raise pickle.UnpicklingError(
+                f"{module}.{name} is not part of a DCP checkpoint's metadata: refused, since loading a "
+                "checkpoint must not build arbitrary objects."
+            )
+        return found
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP's FileSystemReader, reading `.metadata` with an unpickler that cannot run code."""
+
+    def read_metadata(self, *args: Any) -> Metadata:
+        # No `rank` keyword: DCP then does not fall back to per-rank metadata files (unison writes none).
+        path = self._get_metadata_path()
+        with self.fs.create_stream(path, "rb") as file:
+            metadata = _MetadataUnpickler(file).load()
+        if not isinstance(metadata, Metadata):
+            raise pickle.UnpicklingError(f"{path} holds a {type(metadata).__name__}, not DCP metadata.")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+class SafeLoadPlanner(DefaultLoadPlanner):
+    """DCP's default planner, with non-tensor values read by torch.load(weights_only=True).
+
+    `optional_prefix`: keys under it may be absent from the checkpoint as a whole (an optimizer saved
+    before its first step has hyper-parameters but no state); `found_optional` says whether any was
+    there. Any other key missing from the checkpoint is an error naming it.
+    """
+
+    def __init__(self, optional_prefix: str | None = None) -> None:
+        # unison's state dicts are flat (name -> value): no flattening, so self.state_dict is the caller's
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.optional_prefix = optional_prefix
+        self.found_optional = False
+
+    def set_up_planner(
+        self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
+    ) -> None:
+        super().set_up_planner(state_dict, metadata, is_coordinator)
+        saved = metadata.state_dict_metadata
+        prefix = self.optional_prefix
+        self.found_optional = prefix is not None and any(key.startswith(prefix) for key in saved)
+        missing = [key for key in self.state_dict if key not in saved]
+        required = [
+            key for key in missing if prefix is None or self.found_optional or not key.startswith(prefix)
+        ]
+        if required:
+            shown = ", ".join(required[:5]) + (f" and {len(required) - 5} more" if len(required) > 5 else "")
+            raise KeyError(
+                f"the checkpoint has no {shown}: it was saved from a model or optimizer with other parameter "
+                "names (another model, or an optimizer of another type)"
+            )
+        self.allow_partial_load = bool(missing)
+
+    def load_bytes(self, read_item: Any, value: Any) -> None:
+        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
+
+
+def _dcp_error(directory: Path, error: BaseException) -> CheckpointError:
+    """One readable error from DCP's per-rank CheckpointException (or any other failure)."""
+    if isinstance(error, CheckpointException) and error.failures:
+        rank, (cause, _) = next(iter(sorted(error.failures.items())))
+        detail = f"{type(cause).__name__} on process {rank}: {cause}"
+    else:
+        detail = f"{type(error).__name__}: {error}"
+    return CheckpointError(
+        f"cannot load the sharded checkpoint part {directory} ({detail}). Load it into the model and "
+        "optimizer of the run that saved it (the same classes and parameter names; the layout and the number "
+        "of processes may differ)."
+    )
+
+
+def _dcp_load(state: dict[str, Any], directory: Path, planner: SafeLoadPlanner) -> None:
+    try:
+        dcp.load(state, storage_reader=SafeFileSystemReader(directory), planner=planner)
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        raise _dcp_error(directory, error) from None
+
+
+def _empty_like(state: dict[str, Any]) -> dict[str, Any]:
+    """Fresh tensors shaped (and, for DTensors, sharded) like `state`'s, to load into before applying."""
+    return {
+        key: torch.empty_like(value) if isinstance(value, torch.Tensor) else value
+        for key, value in state.items()
+    }
+
+
+@contextlib.contextmanager
+def _grads_set_aside(optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """No gradients while torch's state-dict helpers run: they take a zero-learning-rate step to create a
+    fresh optimizer's state only when no gradient is present, and read or load no state otherwise."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    finally:
+        for p, grad in zip(params, grads):
+            p.grad = grad
+
+
+def _has_state(optimizer: torch.optim.Optimizer) -> bool:
+    return any(optimizer.state.values())
+
+
+def _any_process(flag: bool) -> bool:
+    if not _distributed():
+        return flag
+    flags = [None] * dist.get_world_size()
+    dist.all_gather_object(flags, flag)
+    return any(flags)
+
+
+# -- saving ----------------------------------------------------------------------------------------
+def save_model_state(model: nn.Module, directory: Path) -> None:
+    """Write `model`'s state (its shards on each process) as a DCP directory. Collective."""
+    dcp.save(get_model_state_dict(unwrap(model)), storage_writer=FileSystemWriter(directory))
+
+
+def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Write `optimizer`'s state, keyed by `model`'s parameter names, as a DCP directory. Collective.
+
+    An optimizer that has not stepped yet has hyper-parameters but no state: torch's helper would create
+    state by taking a zero-learning-rate step (Adam's step counter then reads 1), so that state is
+    dropped from the live optimizer again and only the hyper-parameters are written.
+    """
+    local = _local_optimizer(optimizer)
+    stepped = _any_process(_has_state(local))
+    state: dict[str, Any] = {}
+    if any(group["params"] for group in local.param_groups):  # ZeRO-1 can leave a process none
+        with _grads_set_aside(local):
+            state = get_optimizer_state_dict(unwrap(model), local, options=_FLAT_OPTIMIZER)
+        if not stepped:
+            state = {k: v for k, v in state.items() if not k.startswith(_OPTIMIZER_STATE_PREFIX)}
+            local.state.clear()
+    dcp.save(state, storage_writer=FileSystemWriter(directory))
+
+
+# -- loading ---------------------------------------------------------------------------------------
+def is_sharded_part(directory: Path) -> bool:
+    """Whether `directory` (e.g. checkpoint/model_0) holds a part saved through DCP."""
+    return (directory / DCP_METADATA).is_file()
+
+
+def read_model_state(model: nn.Module, directory: Path) -> dict[str, Any]:
+    """Read a DCP model part into new tensors laid out like `model`'s own (nothing applied). Collective."""
+    state = _empty_like(get_model_state_dict(unwrap(model)))
+    _dcp_load(state, directory, SafeLoadPlanner())
+    return state
+
+
+def apply_model_state(model: nn.Module, state: dict[str, Any]) -> None:
+    """Copy what `read_model_state` read into the model's parameters and buffers."""
+    set_model_state_dict(unwrap(model), state)
+
+
+@dataclass
+class OptimizerState:
+    """What `read_optimizer_state` read: flattened, FQN-keyed state; has_state False for an optimizer
+    that was saved before its first step (hyper-parameters only)."""
+
+    state: dict[str, Any]
+    has_state: bool
+
+
+def read_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> OptimizerState:
+    """Read a DCP optimizer part into new tensors laid out like this process's optimizer state. Collective.
+
+    The live optimizer is left as it was (a fresh one stays without state).
+    """
+    local = _local_optimizer(optimizer)
+    state: dict[str, Any] = {}
+    if any(group["params"] for group in local.param_groups):
+        fresh = not _has_state(local)
+        with _grads_set_aside(local):
+            state = _empty_like(get_optimizer_state_dict(unwrap(model), local, options=_FLAT_OPTIMIZER))
+        if fresh:
+            local.state.clear()
+    planner = SafeLoadPlanner(optional_prefix=_OPTIMIZER_STATE_PREFIX)
+    _dcp_load(state, directory, planner)
+    return OptimizerState(state, planner.found_optional or not state)
+
+
+def apply_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, loaded: OptimizerState) -> None:
+    """Put what `read_optimizer_state` read into the optimizer (ZeRO-1: this process's share)."""
+    local = _local_optimizer(optimizer)
+    if loaded.state:
+        with _grads_set_aside(local):
+            set_optimizer_state_dict(unwrap(model), local, loaded.state, options=_FLAT_OPTIMIZER)
+        if not loaded.has_state:
+            local.state.clear()
+    _sync_zero_param_groups(optimizer)
+
+
+def _sync_zero_param_groups(optimizer: torch.optim.Optimizer) -> None:
+    """ZeRO-1 copies hyper-parameters from its own param_groups to the inner optimizer at every step, so
+    what was loaded into the inner one must reach the outer groups too (schedulers read those)."""
+    outer = _torch_optimizer(optimizer)
+    if isinstance(outer, ZeroRedundancyOptimizer):
+        for outer_group, inner_group in zip(outer.param_groups, outer.optim.param_groups, strict=True):
+            outer_group.update((key, value) for key, value in inner_group.items() if key != "params")
+
+
+def check_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Raise CheckpointError unless `state` (a whole-model state dict) has every key `model` holds."""
+    missing = [key for key in get_model_state_dict(unwrap(model)) if key not in state]
+    if missing:
+        raise CheckpointError(
+            f"the checkpoint's model state has no {', '.join(missing[:5])}: it was saved from another model. "
+            "Load it into the model of the run that saved it."
+        )
+
+
+def apply_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a consolidated state dict (a plain or DDP run's `model_<i>.pt`) into any layout.
+
+    Each process keeps the slices its shards cover; a pipeline stage takes only its own keys.
+    Collective under sharded layouts (the full tensors are distributed to the shards).
+    """
+    check_full_model_state(model, state)
+    module = unwrap(model)
+    own = {key: state[key] for key in get_model_state_dict(module)}
+    set_model_state_dict(module, own, options=StateDictOptions(full_state_dict=True))
+
+
+def check_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Raise CheckpointError unless a plain optimizer state dict (keyed by parameter position) has
+    as many parameters and groups as `optimizer`, whose positions it is read by."""
+    outer = _torch_optimizer(optimizer)
+    live = [len(group["params"]) for group in outer.param_groups]
+    saved = [len(group["params"]) for group in state["param_groups"]]
+    if live != saved:
+        raise CheckpointError(
+            f"the checkpoint's optimizer state has parameter groups of {saved} parameters, this process's "
+            f"optimizer {live}: a plain or DDP run's optimizer state is keyed by parameter position, so it "
+            "loads into an optimizer over the same parameters (any layout but a pipeline stage). Save it "
+            "again under a sharded layout (keyed by parameter name), or build the optimizer as the saving "
+            "run did."
+        )
+
+
+def apply_full_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a plain optimizer state dict (keyed by parameter position) into any layout's optimizer.
+
+    As torch's own `load_state_dict`, this relies on the optimizer listing its parameters in the same
+    order as the one that saved it (the same code building it). ZeRO-1's optimizer reads the plain form
+    itself; others get it keyed by parameter name and sliced to their shards.
+    """
+    check_full_optimizer_state(optimizer, state)
+    outer = _torch_optimizer(optimizer)
+    if isinstance(outer, ZeroRedundancyOptimizer) or not state["state"]:
+        outer.load_state_dict(state)
+        return
+    module = unwrap(model)
+    live = [p for group in outer.param_groups for p in group["params"]]
+    saved = [index for group in state["param_groups"] for index in group["params"]]
+    name_of = {id(p): name for name, p in module.named_parameters()}
+    fqn = {index: name_of[id(p)] for index, p in zip(saved, live)}
+    by_name = {
+        "state": {fqn[index]: value for index, value in state["state"].items()},
+        "param_groups": [
+            {**group, "params": [fqn[i] for i in group["params"]]} for group in state["param_groups"]
+        ],
+    }
+    with _grads_set_aside(outer):
+        set_optimizer_state_dict(module, outer, by_name, options=StateDictOptions(full_state_dict=True))

@@ -1,0 +1,589 @@
+"""Tensor parallelism (Megatron-style) as plain functions over a module, on DTensor `parallelize_module`.
+
+A plan maps module-name patterns ("transformer.h.*.attn.c_proj") to torch's parallel styles: each
+block's first projections are column-parallel (a rank computes its share of the heads / hidden units),
+the second ones row-parallel (partial sums, one all-reduce per sub-layer). `tensor_parallel_plan`
+builds that plan for the layouts it recognises by their module names; any other model passes its own.
+
+Choices that make the built-in plans exact and keep checkpoints in the model's own layout:
+
+- Fused q|k|v (GPT-2's `c_attn`, Linear(E, 3E), split with `chunk(3, dim=-1)`): rank r must compute
+  q_r, k_r and v_r (its heads of each third), but a plain column split gives rank 0 the first 3E/T rows
+  (for T=2 all of q and half of k). `FusedColwiseParallel` stores the weight as the plain `Shard(0)`
+  of the original matrix and, in forward, redistributes it to `_StridedShard(0, split_factor=3)`:
+  rows r of each third, so the output's local columns are [q_r | k_r | v_r]. Storing the parameter
+  itself as `_StridedShard` would save that exchange, but a rank's strided rows are not one block of
+  the matrix: distributed checkpoint refuses it ("overlapping chunks") and FSDP2's dim-0 split of the
+  local rows cannot be described by DTensor placements (its full tensor comes out permuted). With the
+  plain `Shard(0)` storage, `full_tensor()`, `get_model_state_dict`, DCP, FSDP2 on a (dp, tp) mesh and
+  the optimizer state all see the original layout. The cost is one all-gather of the weight (3E x E)
+  in forward and one of its gradient in backward per layer, versus activations (tokens x 3E) had the
+  output been re-laid out instead.
+- Embedding and head: the token embedding is split over the vocabulary (`RowwiseParallel`) and the
+  head over the vocabulary too (`ColwiseParallel`): both hold rows `Shard(0)` of the same (V, E)
+  matrix, so a tied pair stays one parameter (re-tied after the styles replaced it) and the per-rank
+  memory stays ~1/T. `loss_parallel=True` leaves the logits as a DTensor sharded over the vocabulary:
+  the cross-entropy and its backward must then run inside `torch.distributed.tensor.parallel.loss_parallel()`.
+- Sequence parallel splits the norms' and residual stream's activations over the sequence
+  (`SequenceParallel`, `PrepareModuleInput`), turning each all-reduce into a reduce-scatter + all-gather.
+
+Every rank of a TP group must see the same batch. Replicated parameters (norms, and anything the plan
+leaves out) are broadcast from the group's first rank, so a model initialised differently per rank
+still starts identical. For FSDP2 on top, apply this first on `mesh["tp"]`, then
+`unison.parallel.zero.apply_zero(model, stage, mesh=mesh["dp_shard"])` on the same root mesh.
+"""
+
+from __future__ import annotations
+
+import logging
+import types
+from collections.abc import Iterable, Iterator, Mapping
+from fnmatch import fnmatch
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+logger = logging.getLogger("unison")
+
+_PLAN_EXAMPLE = (
+    "tp_plan={'layers.*.attn.q': ColwiseParallel(), 'layers.*.attn.out': RowwiseParallel(), "
+    "'layers.*.ffn.up': ColwiseParallel(), 'layers.*.ffn.down': RowwiseParallel()} "
+    "(styles from torch.distributed.tensor.parallel; use unison.parallel.tensor.FusedColwiseParallel "
+    "for a projection whose output is several blocks side by side, such as a fused q|k|v)"
+)
+
+
+class FusedColwiseParallel(ColwiseParallel):
+    """Column parallel for a Linear whose output is `parts` equal blocks side by side (q|k|v, gate|up).
+
+    The weight and bias are stored as the plain `Shard(0)` of the original matrix (so checkpoints,
+    `full_tensor()` and FSDP2 see the original layout); forward redistributes them to
+    `_StridedShard(0, split_factor=parts)`, giving this rank's rows of every block, so the local
+    output is [block_0 share | block_1 share | ...] and `chunk(parts, dim=-1)` splits it as on one
+    device. See the module docstring for why the parameter itself is not stored strided.
+    """
+
+    def __init__(self, parts: int = 3, *, input_layouts=None, use_local_output: bool = True):
+        super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
+        if parts < 2:
+            raise ValueError(
+                f"FusedColwiseParallel(parts={parts}): a fused projection has at least 2 blocks; "
+                "use ColwiseParallel for a single one."
+            )
+        self.parts = parts
+
+    @staticmethod
+    def _local_output_fn(use_local_output: bool, module, outputs: DTensor, device_mesh) -> torch.Tensor:
+        # The strided layout is the one the caller wants: no redistribution, unlike ColwiseParallel.
+        return outputs.to_local() if use_local_output else outputs
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Linear):
+            raise TypeError(
+                f"FusedColwiseParallel applies to nn.Linear, got {type(module).__name__}. "
+                "Give it the fused projection (e.g. attn.c_attn)."
+            )
+        try:
+            from torch.distributed.tensor.placement_types import _StridedShard
+        except ImportError as error:  # pragma: no cover - torch < 2.5
+            raise RuntimeError(
+                "FusedColwiseParallel needs DTensor's _StridedShard placement (torch >= 2.5); "
+                f"this is torch {torch.__version__}. Upgrade torch, or keep the fused module out of the plan."
+            ) from error
+        distribute_module(
+            module,
+            device_mesh,
+            self._partition_linear_fn,
+            lambda mod, inputs, mesh: self._prepare_input_fn(
+                self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
+            ),
+            lambda mod, outputs, mesh: self._local_output_fn(self.use_local_output, mod, outputs, mesh),
+        )
+        layout = (_StridedShard(0, split_factor=self.parts),)
+
+        def forward(linear: nn.Linear, x: DTensor) -> DTensor:
+            weight = linear.weight.redistribute(placements=layout)
+            bias = None if linear.bias is None else linear.bias.redistribute(placements=layout)
+            return F.linear(x, weight, bias)
+
+        module.forward = types.MethodType(forward, module)
+        return module
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(parts={self.parts}, input_layouts={self.input_layouts}, "
+            f"use_local_output={self.use_local_output})"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Built-in layouts, recognised by module names
+
+
+def _module_patterns(model: nn.Module) -> dict[str, nn.Module]:
+    """Module-name pattern (block indices as '*') -> one module with that pattern."""
+    patterns: dict[str, nn.Module] = {}
+    for name, module in model.named_modules():
+        if name:
+            pattern = ".".join("*" if part.isdigit() else part for part in name.split("."))
+            patterns.setdefault(pattern, module)
+    return patterns
+
+
+def _join(parent: str, child: str) -> str:
+    return f"{parent}.{child}" if parent else child
+
+
+def _parent(pattern: str) -> str:
+    return pattern.rpartition(".")[0]
+
+
+def _leaf(pattern: str) -> str:
+    return pattern.rpartition(".")[2]
+
+
+def _find(patterns: Mapping[str, nn.Module], leaf: str, in_blocks: bool | None = None) -> list[str]:
+    """Patterns whose last name is `leaf` (inside a block list, outside it, or either)."""
+    return [p for p in patterns if _leaf(p) == leaf and (in_blocks is None or ("*" in p) == in_blocks)]
+
+
+def _require_types(patterns: Mapping[str, nn.Module], wanted: Mapping[str, type]) -> None:
+    for pattern, kind in wanted.items():
+        module = patterns[pattern]
+        if not isinstance(module, kind):
+            raise ValueError(
+                f"{pattern} is a {type(module).__name__}, but the built-in tensor-parallel plan needs an "
+                f"nn.{kind.__name__} there (Hugging Face GPT-2, for one, uses Conv1D). Pass your own plan, "
+                f"e.g. {_PLAN_EXAMPLE}."
+            )
+
+
+# Leaf module names of each layout: the attention and MLP projections (the first one locates the
+# parent module), the two norms of a block, and the modules outside the block list.
+_LAYOUTS: dict[str, dict[str, dict[str, str]]] = {
+    "gpt": {
+        "attention": {"qkv": "c_attn", "attention_out": "c_proj"},
+        "mlp": {"mlp_in": "c_fc", "mlp_out": "c_proj"},
+        "norms": {"norm_attention": "ln_1", "norm_mlp": "ln_2"},
+        "top": {"embedding": "wte", "position_embedding": "wpe", "final_norm": "ln_f", "head": "lm_head"},
+    },
+    "llama": {
+        "attention": {"q": "q_proj", "k": "k_proj", "v": "v_proj", "attention_out": "o_proj"},
+        "mlp": {"gate": "gate_proj", "up": "up_proj", "mlp_out": "down_proj"},
+        "norms": {"norm_attention": "input_layernorm", "norm_mlp": "post_attention_layernorm"},
+        "top": {"embedding": "embed_tokens", "final_norm": "norm", "head": "lm_head"},
+    },
+}
+
+
+def _roles(patterns: Mapping[str, nn.Module], names: dict[str, dict[str, str]]) -> dict[str, str] | None:
+    """Role -> module pattern when every projection of the layout is there, else None."""
+    roles: dict[str, str] = {}
+    for group in ("attention", "mlp"):
+        found = _find(patterns, next(iter(names[group].values())), in_blocks=True)
+        if len(found) != 1:
+            return None
+        roles[group] = parent = _parent(found[0])
+        for role, leaf in names[group].items():
+            if _join(parent, leaf) not in patterns:
+                return None
+            roles[role] = _join(parent, leaf)
+    block = _parent(roles["attention"])
+    roles.update(
+        {r: _join(block, leaf) for r, leaf in names["norms"].items() if _join(block, leaf) in patterns}
+    )
+    for role, leaf in names["top"].items():
+        found = _find(patterns, leaf, in_blocks=False)
+        if len(found) == 1:
+            roles[role] = found[0]
+    return roles
+
+
+def _detect_layout(model: nn.Module) -> tuple[str, dict[str, str], dict[str, nn.Module]]:
+    patterns = _module_patterns(model)
+    for layout, names in _LAYOUTS.items():
+        roles = _roles(patterns, names)
+        if roles is not None:
+            return layout, roles, patterns
+    raise ValueError(
+        f"{type(model).__name__} matches no built-in tensor-parallel layout (GPT/GPT-2 names "
+        "attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; Llama names q_proj, k_proj, v_proj, o_proj, "
+        f"gate_proj, up_proj, down_proj). Pass your own plan, e.g. {_PLAN_EXAMPLE}."
+    )
+
+
+def tensor_parallel_plan(
+    model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
+) -> dict[str, ParallelStyle]:
+    """The built-in plan for `model`'s layout (GPT/GPT-2 or Llama names), to apply or to edit.
+
+    `sequence_parallel`: norms and the residual stream split over the sequence (dim 1) between the
+    parallel regions. `loss_parallel`: the head returns logits as a DTensor sharded over the
+    vocabulary (cross-entropy and backward then go inside `loss_parallel()`). A model that matches no
+    layout raises ValueError showing the shape of a plan to pass instead.
+    """
+    layout, roles, patterns = _detect_layout(model)
+    rep, seq = Replicate(), Shard(1)
+    between = seq if sequence_parallel else rep  # layout of the residual stream outside the blocks' matmuls
+    if sequence_parallel:
+        missing = [
+            role for role in ("norm_attention", "norm_mlp", "final_norm", "embedding") if role not in roles
+        ]
+        if missing:
+            raise ValueError(
+                f"sequence_parallel=True needs every norm and the token embedding of the {layout} layout, "
+                f"but {type(model).__name__} has no module for {missing}. Use sequence_parallel=False or "
+                "pass your own plan."
+            )
+    if loss_parallel and "head" not in roles:
+        raise ValueError(
+            f"loss_parallel=True shards the logits of the output head, but {type(model).__name__} has no "
+            "module named lm_head. Use loss_parallel=False or pass your own plan."
+        )
+    linear = nn.Linear
+    plan: dict[str, ParallelStyle] = {}
+    if "embedding" in roles:
+        _require_types(patterns, {roles["embedding"]: nn.Embedding})
+        plan[roles["embedding"]] = RowwiseParallel(input_layouts=rep, output_layouts=between)
+    if "position_embedding" in roles:
+        _require_types(patterns, {roles["position_embedding"]: nn.Embedding})
+        # positions are a (T,) vector: its sequence dim is 0
+        plan[roles["position_embedding"]] = RowwiseParallel(
+            input_layouts=rep, output_layouts=Shard(0) if sequence_parallel else rep
+        )
+    if sequence_parallel:
+        plan[roles["norm_attention"]] = SequenceParallel()
+        plan[roles["norm_mlp"]] = SequenceParallel()
+        plan[roles["final_norm"]] = SequenceParallel()
+        plan[roles["attention"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,))
+        plan[roles["mlp"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,))
+    if layout == "gpt":
+        _require_types(patterns, {roles[r]: linear for r in ("qkv", "attention_out", "mlp_in", "mlp_out")})
+        plan[roles["qkv"]] = FusedColwiseParallel(parts=3)
+        plan[roles["mlp_in"]] = ColwiseParallel()
+    else:
+        _require_types(patterns, {roles[r]: linear for r in ("q", "k", "v", "attention_out", "gate", "up")})
+        for role in ("q", "k", "v", "gate", "up"):
+            plan[roles[role]] = ColwiseParallel()
+    plan[roles["attention_out"]] = RowwiseParallel(output_layouts=between)
+    plan[roles["mlp_out"]] = RowwiseParallel(output_layouts=between)
+    if "head" in roles:
+        _require_types(patterns, {roles["head"]: linear})
+        plan[roles["head"]] = ColwiseParallel(
+            input_layouts=between,
+            output_layouts=Shard(-1) if loss_parallel else rep,
+            use_local_output=not loss_parallel,
+        )
+    return plan
+
+
+# ----------------------------------------------------------------------------------------------------
+# Validation (pure: the same answer on every rank, before any communication)
+
+
+def _resolve(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """The (name, module) pairs `parallelize_module` applies `pattern` to: fnmatch per name part."""
+    found = [("", model)]
+    for token in pattern.split("."):
+        found = [
+            (_join(prefix, name), child)
+            for prefix, module in found
+            for name, child in module.named_children()
+            if fnmatch(name, token)
+        ]
+    return found
+
+
+def _split_sizes(style: ParallelStyle, module: nn.Module) -> Iterator[tuple[str, int, int]]:
+    """(what, size, number of equal blocks it holds) that `style` splits over the TP ranks."""
+    if isinstance(style, FusedColwiseParallel) and isinstance(module, nn.Linear):
+        yield "out_features (each fused block)", module.out_features, style.parts
+    elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
+        yield "out_features", module.out_features, 1
+    elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Embedding):
+        yield "embedding_dim", module.embedding_dim, 1
+    elif isinstance(style, RowwiseParallel) and isinstance(module, nn.Linear):
+        yield "in_features", module.in_features, 1
+    elif isinstance(style, RowwiseParallel) and isinstance(module, nn.Embedding):
+        yield "num_embeddings (vocabulary)", module.num_embeddings, 1
+
+
+def _config_value(model: nn.Module, *names: str) -> int | None:
+    config = getattr(model, "config", None)
+    for name in names:
+        value = getattr(config, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+def _head_counts(
+    model: nn.Module, attention: nn.Module, layout: str, roles: dict[str, str]
+) -> dict[str, int]:
+    """Query and key/value heads of one attention module, from its projections and head_dim."""
+    head_dim = getattr(attention, "head_dim", None)
+    if layout == "gpt":
+        qkv = attention.get_submodule(_leaf(roles["qkv"]))
+        width = qkv.out_features // 3
+        if isinstance(head_dim, int) and head_dim > 0:
+            return {"heads": width // head_dim}
+        heads = _config_value(model, "n_head", "num_attention_heads")
+        return {"heads": heads} if heads else {}
+    q = attention.get_submodule(_leaf(roles["q"]))
+    k = attention.get_submodule(_leaf(roles["k"]))
+    if isinstance(head_dim, int) and head_dim > 0:
+        return {"heads": q.out_features // head_dim, "key/value heads": k.out_features // head_dim}
+    counts = {
+        "heads": _config_value(model, "num_attention_heads", "n_heads"),
+        "key/value heads": _config_value(model, "num_key_value_heads", "n_kv_heads"),
+    }
+    return {name: value for name, value in counts.items() if value}
+
+
+def _check_heads(model: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> None:
+    """A known layout whose attention projections the plan shards: tp must divide the head counts."""
+    try:
+        layout, roles, _ = _detect_layout(model)
+    except ValueError:
+        return  # a user plan for a layout we do not know: the size checks are all we can do
+    projections = ("qkv",) if layout == "gpt" else ("q", "k", "v")
+    sharded = {id(module) for pattern in plan for _, module in _resolve(model, pattern)}
+    if not any(id(m) in sharded for role in projections for _, m in _resolve(model, roles[role])):
+        return
+    for name, attention in _resolve(model, roles["attention"]):
+        counts = _head_counts(model, attention, layout, roles)
+        if not counts:
+            logger.warning(
+                "tensor parallel: could not find the number of heads of %s (no head_dim attribute or "
+                "config); only the projection sizes were checked against tp=%d.",
+                name,
+                tp,
+            )
+            return
+        for what, count in counts.items():
+            if count % tp:
+                raise ValueError(
+                    f"tensor parallel degree tp={tp} must divide the number of attention {what}, but {name} "
+                    f"has {count}: each rank computes whole heads. Choose tp among "
+                    f"{[d for d in range(1, count + 1) if count % d == 0]}, or a model with more heads."
+                )
+
+
+def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -> None:
+    if not isinstance(plan, Mapping) or not all(
+        isinstance(k, str) and isinstance(v, ParallelStyle) for k, v in plan.items()
+    ):
+        raise TypeError(
+            f"plan={plan!r} is not a tensor-parallel plan: pass a dict from module name pattern to a "
+            f"torch ParallelStyle, e.g. {_PLAN_EXAMPLE}."
+        )
+    problems = []
+    for pattern, style in plan.items():
+        matched = _resolve(model, pattern)
+        if not matched:
+            raise ValueError(
+                f"plan key {pattern!r} matches no submodule of {type(model).__name__}. Keys are qualified "
+                "module names, '*' matching one name part (e.g. 'transformer.h.*.mlp.c_fc'); fix the name."
+            )
+        for name, module in matched:
+            for what, size, blocks in _split_sizes(style, module):
+                if size % (blocks * tp):
+                    share = f"{blocks} blocks of {size // blocks}" if blocks > 1 else str(size)
+                    problems.append(f"{name} ({type(style).__name__}): {what} = {share}")
+    if problems:
+        raise ValueError(
+            f"tensor parallel degree tp={tp} must divide every size the plan splits, but these do not: "
+            f"{'; '.join(problems[:6])}{' ...' if len(problems) > 6 else ''}. Choose a tp that divides "
+            "them, pad the sizes (e.g. the vocabulary to a multiple of tp, as nanoGPT's 50304), or leave "
+            "those modules out of the plan."
+        )
+
+
+def _tied_locations(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Groups of (module, parameter name) that hold one shared parameter (e.g. wte and lm_head)."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, param in module._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((module, name))
+    return [group for group in holders.values() if len(group) > 1]
+
+
+def _retie(model: nn.Module, groups: list[list[tuple[nn.Module, str]]]) -> None:
+    """Make each tied group one parameter again after the styles replaced its members separately."""
+    names = {id(module): name or type(model).__name__ for name, module in model.named_modules()}
+    for group in groups:
+        params = [getattr(module, attr) for module, attr in group]
+        layouts = [
+            (p.device_mesh, p.placements) if isinstance(p, DTensor) else "not distributed" for p in params
+        ]
+        if any(layout != layouts[0] for layout in layouts[1:]):
+            described = ", ".join(
+                f"{names[id(m)]}.{attr}: {lay[1] if isinstance(lay, tuple) else lay}"
+                for (m, attr), lay in zip(group, layouts)
+            )
+            raise ValueError(
+                f"tied parameter ({described}) got different layouts from the plan, so it would split into "
+                "independent copies. Give every module sharing it the same layout (the built-in plans shard "
+                "both the embedding (RowwiseParallel) and the head (ColwiseParallel) over the vocabulary) "
+                "or leave all of them out of the plan."
+            )
+        for module, attr in group[1:]:
+            setattr(module, attr, params[0])
+
+
+def _check_ties(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
+    """A shared parameter's modules must be all in the plan or all out of it, else it would split."""
+    planned = {id(module) for pattern in plan for _, module in _resolve(model, pattern)}
+    names = {id(module): name for name, module in model.named_modules()}
+    for group in _tied_locations(model):
+        inside = [f"{names[id(m)]}.{attr}" for m, attr in group if id(m) in planned]
+        outside = [f"{names[id(m)]}.{attr}" for m, attr in group if id(m) not in planned]
+        if inside and outside:
+            raise ValueError(
+                f"{', '.join(inside)} and {', '.join(outside)} are one tied parameter, but the plan covers "
+                "only the first. Shard all of them alike (the built-in plans shard the embedding with "
+                "RowwiseParallel and the head with ColwiseParallel, both over the vocabulary) or none."
+            )
+
+
+def check_tensor_parallel(
+    model: nn.Module, tp_size: int, plan: Mapping[str, ParallelStyle] | None = None
+) -> dict[str, ParallelStyle]:
+    """Validate `plan` (None: the built-in one) for `model` at degree `tp_size` and return it.
+
+    Pure and the same on every rank, so a layout that cannot work fails before any communication:
+    every key must name submodules, every size a style splits must divide by `tp_size` (a fused
+    projection per block), tied parameters must be sharded alike, and for a known layout whose
+    attention is split, `tp_size` must divide the query and key/value head counts.
+    """
+    if plan is None:
+        plan = tensor_parallel_plan(model)
+    _check_plan(model, plan, tp_size)
+    _check_heads(model, plan, tp_size)
+    _check_ties(model, plan)
+    return dict(plan)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Applying a plan
+
+
+@torch.no_grad()
+def _broadcast_replicated(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Copy what every TP rank holds in full (norms, biases, unplanned modules) from the group's rank 0.
+
+    Sharded parameters were scattered from rank 0 by the styles; replicated ones are used as each rank
+    built them, so without this a model initialised differently per rank would train inconsistently.
+    """
+    group = tp_mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    seen: set[int] = set()
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) in seen:
+            continue
+        seen.add(id(tensor))
+        if isinstance(tensor, DTensor):
+            if not all(isinstance(p, Replicate) for p in tensor.placements):
+                continue
+            tensor = tensor.to_local()
+        dist.broadcast(tensor.data, src=source, group=group)
+
+
+def _keep_gradients_in_parameter_layout(model: nn.Module) -> None:
+    """Store each DTensor parameter's gradient in the parameter's own placements.
+
+    DTensor's embedding backward returns a Replicate gradient for a vocabulary-sharded (Shard(0))
+    table, which would keep a full-size gradient, and a full-size optimizer state built from it, on
+    every rank. Replicate -> Shard is a local slice, so the redistribution costs no communication.
+    """
+
+    def hook(param: torch.Tensor) -> None:
+        if isinstance(param.grad, DTensor) and param.grad.placements != param.placements:
+            param.grad = param.grad.redistribute(param.device_mesh, param.placements)
+
+    for param in {id(p): p for p in model.parameters()}.values():
+        if isinstance(param, DTensor) and param.requires_grad:
+            param.register_post_accumulate_grad_hook(hook)
+
+
+@torch.no_grad()
+def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) -> torch.Tensor:
+    """The norm of all gradients together, as one plain tensor, for any mix of layouts.
+
+    `torch.nn.utils.clip_grad_norm_` refuses a TP model: it stacks per-gradient norms, and a model
+    holds plain tensors (what the plan leaves replicated) beside DTensors, or (under FSDP2 x TP)
+    DTensors on two meshes. Here the norms are taken per mesh (one collective each) and the plain
+    gradients, identical on every rank that holds them, are counted once. Scale the gradients by
+    `max_norm / (norm + 1e-6)` clamped to 1 to clip; a DTensor gradient multiplies by the plain result.
+    """
+    groups: dict[DeviceMesh | None, list[torch.Tensor]] = {}
+    for param in {id(p): p for p in parameters}.values():
+        if param.grad is not None:
+            mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(param.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.linalg.vector_norm(
+            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type
+        )
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if not norms:
+        return torch.tensor(0.0)
+    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    tp_mesh: DeviceMesh,
+    plan: Mapping[str, ParallelStyle] | None = None,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> nn.Module:
+    """Shard `model` in place over the 1-D `tp_mesh` (e.g. `mesh["tp"]`) and return it.
+
+    `plan`: module-name pattern -> ParallelStyle; None builds the built-in plan for the model's layout
+    with `sequence_parallel` / `loss_parallel` (see `tensor_parallel_plan`). A given plan is used as
+    it is, so those two flags must stay False with it. Sizes and head counts are checked against the
+    TP degree before any communication. The model must be on its device; build the optimizer after.
+    """
+    if plan is not None and (sequence_parallel or loss_parallel):
+        raise ValueError(
+            f"sequence_parallel={sequence_parallel}, loss_parallel={loss_parallel} choose the built-in plan, "
+            "but a plan was given and is used as it is. Build it with tensor_parallel_plan(model, "
+            "sequence_parallel=..., loss_parallel=...) and edit it, or leave both flags False."
+        )
+    if tp_mesh.ndim != 1:
+        raise ValueError(
+            f"tp_mesh has {tp_mesh.ndim} dimensions {tp_mesh.mesh_dim_names}; tensor parallelism runs over "
+            "one. Pass the tensor-parallel sub-mesh, e.g. mesh['tp']."
+        )
+    tp = tp_mesh.size()
+    if plan is None:
+        plan = tensor_parallel_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    plan = check_tensor_parallel(model, tp, plan)
+    tied = _tied_locations(model)
+    parallelize_module(model, tp_mesh, plan)
+    _retie(model, tied)
+    _broadcast_replicated(model, tp_mesh)
+    _keep_gradients_in_parameter_layout(model)
+    logger.info(
+        "tensor parallel: %d plan entries over tp=%d (sequence_parallel=%s, loss_parallel=%s)",
+        len(plan),
+        tp,
+        sequence_parallel,
+        loss_parallel,
+    )
+    return model

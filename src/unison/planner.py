@@ -1,0 +1,738 @@
+"""Pick a parallel layout (a ParallelismConfig) for a model on given hardware, by the guide's decision tree.
+
+The multi-GPU guide (../shared/reference/multi-gpu-training-guide.txt) decides with three questions: does
+the model fit onto one device (DDP), does it not (ZeRO, PP or TP, ordered by how fast the devices are
+linked), does even its largest layer not (TP); across nodes, TP stays inside a node and little should cross
+the slower link between nodes. The planner turns the case at hand into an ordered list of layouts (the
+guide's preference), prices each with the formulas of `unison.memory`, and takes the first that fits
+comfortably (<= 75% of a device), else the first that fits at all (<= 90%). The rest is headroom for what
+no formula counts: CUDA context, allocator fragmentation, communication buffers. docs/planner.md lists
+the rules and their sources.
+
+Planning is arithmetic on the model's shape and a description of the hardware, so every rank that plans
+with the same inputs reaches the same layout without talking to the others.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import re
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn as nn
+
+from unison import memory
+from unison.parallel.blocks import find_blocks
+from unison.parallel.config import ParallelismConfig
+
+COMFORTABLE_FRACTION = 0.75
+"""A layout 'fits comfortably' (the guide's word for case 1) when it needs at most this share of a device."""
+USABLE_FRACTION = 0.90
+"""A layout fits at all when it needs at most this share; the rest is left for what is not counted."""
+MICROBATCHES_PER_STAGE = 4
+"""Pipeline micro-batches per stage: m = 4p keeps the 1F1B bubble (p-1)/(m+p-1) under 20%."""
+
+LINKS_WITHIN_NODE = {"nvlink": True, "pcie": False}
+"""Links between the devices of one node, and whether the guide counts them as fast."""
+LINKS_BETWEEN_NODES = {"nvlink": True, "infiniband": True, "ethernet": False}
+"""Links between nodes (nvlink: NVLink-switch systems), and whether they count as fast."""
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNIT = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
+_HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
+_KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
+
+
+class PlanError(ValueError):
+    """No layout fits the hardware; the message says by how much and what would make one fit."""
+
+
+def parse_memory(text: str) -> int:
+    """'80GB', '40GiB', '24G', '512MB' or plain bytes -> bytes, in binary units as memory is sold (JEDEC)."""
+    match = _SIZE.match(str(text))
+    if match is None or (match.group(3).lower() == "i" or (match.group(3) and not match.group(2))):
+        raise ValueError(
+            f"device memory {text!r} is not a size: write a number with an optional unit, e.g. 80GB, 40GiB, "
+            "24G, 512MB or 85899345920 (bytes). Units are binary, as GPU memory is quoted: 1GB = 2^30 bytes."
+        )
+    value = int(float(match.group(1)) * _UNIT[match.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"device memory {text!r} is not positive: give the memory of one device, e.g. 80GB.")
+    return value
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """The machines a plan is for: `devices` in all, over `nodes` equal nodes, `device_memory` bytes each.
+
+    interconnect: the link between the devices of one node ("nvlink" fast, "pcie" slow).
+    inter_node: the link between nodes ("nvlink", "infiniband" fast; "ethernet" slow); unused on one node.
+    """
+
+    devices: int
+    device_memory: int
+    nodes: int = 1
+    interconnect: str = "nvlink"
+    inter_node: str = "ethernet"
+
+    def __post_init__(self) -> None:
+        for name in ("devices", "nodes", "device_memory"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} is not a whole number >= 1: give e.g. {name}=8.")
+        if self.devices % self.nodes:
+            raise ValueError(
+                f"devices={self.devices} is not divisible by nodes={self.nodes}: every node holds the same "
+                f"number of devices. Give a multiple of {self.nodes} devices, or the right node count."
+            )
+        if self.interconnect not in LINKS_WITHIN_NODE:
+            hint = (
+                f" ({self.interconnect!r} links nodes: give it as inter_node / --inter-node)"
+                if self.interconnect in LINKS_BETWEEN_NODES
+                else ""
+            )
+            raise ValueError(
+                f"interconnect={self.interconnect!r} is not a link between the devices of one node{hint}: "
+                f"pass one of {', '.join(map(repr, LINKS_WITHIN_NODE))}."
+            )
+        if self.inter_node not in LINKS_BETWEEN_NODES:
+            raise ValueError(
+                f"inter_node={self.inter_node!r} is not a link between nodes: pass one of "
+                f"{', '.join(map(repr, LINKS_BETWEEN_NODES))}."
+            )
+
+    @property
+    def devices_per_node(self) -> int:
+        return self.devices // self.nodes
+
+    def describe(self) -> str:
+        layout = f"{self.devices} device{'s' if self.devices > 1 else ''}" + (
+            f" ({self.nodes} nodes x {self.devices_per_node})" if self.nodes > 1 else " (one node)"
+        )
+        links = f"{self.interconnect} within nodes" + (
+            f", {self.inter_node} between nodes" if self.nodes > 1 else ""
+        )
+        return f"{layout}, {memory.format_bytes(self.device_memory)} each, {links}"
+
+
+def detect_hardware(
+    world_size: int,
+    local_world_size: int,
+    device: torch.device | str,
+    inter_node: str = "ethernet",
+    interconnect: str | None = None,
+) -> Hardware:
+    """The hardware of the running job, read from facts that are the same on every rank of equal nodes.
+
+    Device memory: the CUDA device's total memory, else total RAM shared by the node's processes. The link
+    inside a node: NVLink when `nvidia-smi topo -m` shows NV links between every pair of the node's GPUs,
+    else PCIe (also when nvidia-smi is missing); pass `interconnect` to skip the probe. Between nodes
+    nothing is probed: `inter_node` (default: the slow, safe "ethernet").
+    """
+    if local_world_size < 1 or world_size < 1 or world_size % local_world_size:
+        raise ValueError(
+            f"world_size={world_size}, local_world_size={local_world_size}: the world must be a whole number "
+            "of equal nodes (world_size a multiple of local_world_size, both >= 1)."
+        )
+    device = torch.device(device)
+    if device.type == "cuda":
+        device_memory = torch.cuda.get_device_properties(device).total_memory
+        link = interconnect or _cuda_link(local_world_size)
+    else:
+        device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_world_size
+        link = interconnect or "pcie"
+    return Hardware(world_size, device_memory, world_size // local_world_size, link, inter_node)
+
+
+def _cuda_link(local_world_size: int) -> str:
+    """The link between this node's GPUs from `nvidia-smi topo -m` ('pcie' when it cannot be run)."""
+    if local_world_size < 2:
+        return "pcie"
+    try:
+        topology = subprocess.run(
+            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10, check=True
+        ).stdout
+    except (OSError, subprocess.SubprocessError):
+        return "pcie"
+    return link_from_topology(topology, local_world_size, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
+
+
+def link_from_topology(topology: str, local_world_size: int, visible_devices: str = "") -> str:
+    """'nvlink' when `nvidia-smi topo -m` shows NV# links between every pair of the GPUs used, else 'pcie'.
+
+    The GPUs used: the first `local_world_size` of CUDA_VISIBLE_DEVICES (`visible_devices`, when it lists
+    indices), else of all GPUs in the matrix.
+    """
+    rows = {}
+    for line in topology.splitlines():
+        cells = line.split()
+        if cells and re.fullmatch(r"GPU\d+", cells[0]):
+            rows[int(cells[0][3:])] = cells[1:]
+    used = [int(i) for i in visible_devices.split(",") if i.strip().isdigit()] or sorted(rows)
+    used = used[:local_world_size]
+    if len(used) < local_world_size or any(i not in rows for i in used):
+        return "pcie"
+    try:
+        linked = all(rows[i][j].startswith("NV") for i in used for j in used if i != j)
+    except IndexError:
+        return "pcie"
+    return "nvlink" if linked else "pcie"
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What planning needs from a model: its shape (unison.memory) plus the sizes that limit a split."""
+
+    shape: memory.ModelShape
+    blocks: int  # length of the block list (0: none, so no pipeline split and one ZeRO-3 unit)
+    block_parameters: int
+    heads: int | None
+    kv_heads: int | None
+    largest_layer: str
+    largest_layer_parameters: int
+
+    @property
+    def root_parameters(self) -> int:
+        """Parameters outside the block list (embeddings, final norm, output layer)."""
+        return self.shape.parameters - self.blocks * self.block_parameters
+
+    @property
+    def largest_unit(self) -> int:
+        """Parameters ZeRO-3 gathers at once: one block, or the root (everything outside the blocks)."""
+        return max(self.block_parameters, self.root_parameters) if self.blocks else self.shape.parameters
+
+    def describe(self) -> str:
+        shape = self.shape
+        text = (
+            f"{shape.parameters / 1e9:.2f}B parameters"
+            if shape.parameters >= 1e8
+            else (f"{shape.parameters:,} parameters")
+        )
+        if shape.layers:
+            text += f", {shape.layers} blocks ({shape.blocks}) of hidden {shape.hidden}"
+        if self.heads:
+            text += f", {self.heads} heads" + (
+                f" ({self.kv_heads} kv)" if self.kv_heads != self.heads else ""
+            )
+        return text + f"; largest layer {self.largest_layer} ({self.largest_layer_parameters:,} parameters)"
+
+
+def model_facts(model: nn.Module) -> ModelFacts:
+    """Read a model's ModelFacts (works on the meta device: only shapes are read)."""
+    shape = memory.inspect_model(model)
+    found = find_blocks(model)
+    blocks, block_parameters = 0, 0
+    if found is not None:
+        blocks = len(found[1])
+        block_parameters = sum(p.numel() for p in found[1].parameters()) // blocks
+    name, largest = "", 0
+    for module_name, module in model.named_modules():
+        size = sum(p.numel() for p in module.parameters(recurse=False))
+        if size > largest:
+            name, largest = module_name or type(module).__name__, size
+    heads = _find_int(model, _HEAD_NAMES)
+    kv_heads = _find_int(model, _KV_HEAD_NAMES) or heads
+    return ModelFacts(shape, blocks, block_parameters, heads, kv_heads, name, largest)
+
+
+def _find_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
+    """The first positive int under one of `names` in model.config (object or dict), then in any module."""
+    config = getattr(model, "config", None)
+    for source in (config, *model.modules()):
+        for name in names:
+            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+@dataclass(frozen=True)
+class Workload:
+    """The training run: precision, batch shape (for activations), and what its loop and model allow.
+
+    pipeline: pipeline layouts may be chosen (the loop calls the pipeline step; the model has a block list).
+    tensor_parallel: TP layouts may be chosen (the model has a TP plan: built in or the user's).
+    """
+
+    precision: str = "fp32"
+    micro_batch_size: int | None = None
+    seq_len: int | None = None
+    activation_checkpointing: bool = False
+    pipeline: bool = True
+    tensor_parallel: bool = True
+
+    def __post_init__(self) -> None:
+        names = [p.name for p in memory.PRECISIONS]
+        if self.precision not in names:
+            raise ValueError(f"precision={self.precision!r} is unknown: pass one of {', '.join(names)}.")
+        if (self.micro_batch_size is None) != (self.seq_len is None):
+            raise ValueError(
+                f"micro_batch_size={self.micro_batch_size}, seq_len={self.seq_len}: activations need both; "
+                "give both or neither (neither: model state only)."
+            )
+        for name in ("micro_batch_size", "seq_len"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+                raise ValueError(f"{name}={value!r} is not a whole number >= 1.")
+
+    @property
+    def bytes(self) -> memory.Precision:
+        return next(p for p in memory.PRECISIONS if p.name == self.precision)
+
+
+@dataclass(frozen=True)
+class PlanMemory:
+    """Bytes one device holds under a layout (the most loaded device: first pipeline stage)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int | None
+    device_memory: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + (self.activations or 0)
+
+    @property
+    def fraction(self) -> float:
+        return self.total / self.device_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total, "fraction": round(self.fraction, 4)}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its memory and a sentence: why the guide ranks it where it is, or why it lost."""
+
+    config: ParallelismConfig
+    memory: PlanMemory
+    why: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "layout": self.config.describe(),
+            "config": dataclasses.asdict(self.config),
+            "memory": self.memory.to_dict(),
+            "why": self.why,
+        }
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The chosen layout: `config` is validated for `hardware.devices`; `reasons` say why, in order."""
+
+    config: ParallelismConfig
+    memory: PlanMemory
+    reasons: tuple[str, ...]
+    runners_up: tuple[Candidate, ...]
+    hardware: Hardware
+    workload: Workload
+    model: ModelFacts
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "config": dataclasses.asdict(self.config),
+            "memory": self.memory.to_dict(),
+            "reasons": list(self.reasons),
+            "runners_up": [candidate.to_dict() for candidate in self.runners_up],
+            "layout": self.config.describe(),
+            "hardware": dataclasses.asdict(self.hardware),
+            "workload": dataclasses.asdict(self.workload),
+            "model": {**dataclasses.asdict(self.model.shape), "heads": self.model.heads},
+        }
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2)
+
+
+def plan_parallelism(
+    model: nn.Module,
+    hardware: Hardware,
+    micro_batch_size: int | None = None,
+    seq_len: int | None = None,
+    precision: str = "fp32",
+    activation_checkpointing: bool = False,
+    pipeline: bool = True,
+    tensor_parallel: bool = True,
+) -> Plan:
+    """The layout the guide's decision tree picks for `model` on `hardware` (raises PlanError if none fits).
+
+    Without micro_batch_size and seq_len only the model state is counted (the 25% kept free by
+    'comfortably' is then all the room activations get). `activation_checkpointing` says the run
+    recomputes each block in backward (the planner assumes it, it does not switch it on).
+    `pipeline=False` / `tensor_parallel=False` leave out layouts the run cannot take (a loop without the
+    pipeline step, a model without a TP plan).
+    """
+    workload = Workload(
+        precision, micro_batch_size, seq_len, activation_checkpointing, pipeline, tensor_parallel
+    )
+    return plan_for(model_facts(model), hardware, workload)
+
+
+def plan_for(facts: ModelFacts, hardware: Hardware, workload: Workload) -> Plan:
+    """plan_parallelism for a model already reduced to its ModelFacts."""
+    chosen, ranked = _choose(facts, hardware, workload)
+    if chosen is None:
+        raise _nothing_fits(facts, hardware, workload, ranked)
+    winner = ranked[chosen]
+    before = [dataclasses.replace(c, why=_why_lost(c, winner)) for c in ranked[max(0, chosen - 6) : chosen]]
+    after = [dataclasses.replace(c, why="ranked lower: " + c.why) for c in ranked[chosen + 1 : chosen + 4]]
+    reasons = _reasons(facts, hardware, workload, winner)
+    return Plan(winner.config, winner.memory, reasons, (*before, *after), hardware, workload, facts)
+
+
+def _choose(facts: ModelFacts, hw: Hardware, workload: Workload) -> tuple[int | None, list[Candidate]]:
+    """(index of the first comfortable fit, else of the first fit, else None; the priced ranked layouts)."""
+    ranked = [
+        Candidate(config, _memory(facts, hw, workload, config), _why(config))
+        for config in _ranked_layouts(facts, hw, workload)
+    ]
+    for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
+        for index, candidate in enumerate(ranked):
+            if candidate.memory.fraction <= limit:
+                return index, ranked
+    return None, ranked
+
+
+# -- memory of one layout ---------------------------------------------------------------------------------
+def _memory(facts: ModelFacts, hw: Hardware, workload: Workload, config: ParallelismConfig) -> PlanMemory:
+    """Model state (memory.model_state_bytes of this device's share), ZeRO's gathered unit, activations.
+
+    Share: Ψ/tp without a pipeline; with one, the heaviest stage (its blocks, rounded up, plus half the
+    parameters outside the blocks: embedding on the first stage, output layer on the last), over tp.
+    ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters.
+    """
+    precision = workload.bytes
+    tp, pp, shard, stage = config.tp_size, config.pp_size, config.dp_shard_size, config.zero_stage
+    shape = facts.shape
+    held = shape.parameters
+    if pp > 1:
+        held = min(
+            held, math.ceil(facts.blocks / pp) * facts.block_parameters + math.ceil(facts.root_parameters / 2)
+        )
+    held = math.ceil(held / tp)
+    trainable = math.ceil(held * shape.trainable_parameters / shape.parameters) if shape.parameters else 0
+    strategy = f"zero{stage}" if stage else "ddp"
+    params, grads, optim = memory.model_state_bytes(
+        strategy, precision, held, trainable, shard if stage else 1
+    )
+    unit = math.ceil(facts.largest_unit / tp)
+    if stage in (2, 3):
+        grads += unit * precision.grad_bytes
+    if stage == 3:
+        params += unit * precision.param_bytes
+    return PlanMemory(params, grads, optim, _activations(facts, workload, tp), hw.device_memory)
+
+
+def _activations(facts: ModelFacts, workload: Workload, tp: int) -> int | None:
+    """memory.activation_bytes; with checkpointing, each block's stored input plus one recomputed block.
+
+    Full recomputation keeps s·b·h·e bytes per block (Korthikanti et al. 2022 §5: 2sbhL in 16-bit), not
+    split by TP without sequence parallelism; one block's full activations exist again during backward.
+    With 1F1B the first stage holds p micro-batches of L/p blocks: the same total (memory.py docstring).
+    """
+    shape = facts.shape
+    if workload.micro_batch_size is None or shape.layers is None:
+        return None
+    b, s, e = workload.micro_batch_size, workload.seq_len, workload.bytes.activation_bytes
+    if not workload.activation_checkpointing:
+        return memory.activation_bytes(shape, b, s, e, tensor_parallel=tp)
+    one_block = memory.activation_bytes(dataclasses.replace(shape, layers=1), b, s, e, tensor_parallel=tp)
+    return one_block + e * s * b * shape.hidden * shape.layers
+
+
+# -- the guide's order of layouts ---------------------------------------------------------------------
+def _ranked_layouts(facts: ModelFacts, hw: Hardware, workload: Workload) -> list[ParallelismConfig]:
+    """Every valid layout, the guide's preferred first (docs/planner.md: the orders and why)."""
+    per_node = hw.devices_per_node
+    tps = _tp_degrees(facts, per_node) if workload.tensor_parallel else []
+
+    def plain(tp: int) -> list[tuple]:
+        return [(tp, 1, "ddp")]
+
+    def sharded(tp: int) -> list[tuple]:
+        zero, hsdp = [(tp, 1, "zero2"), (tp, 1, "zero3")], [(tp, 1, "hsdp2"), (tp, 1, "hsdp3")]
+        return zero + hsdp if hw.nodes == 1 or LINKS_BETWEEN_NODES[hw.inter_node] else hsdp + zero
+
+    def pp_degrees(tp: int) -> list[int]:
+        return _pp_degrees(facts, hw.devices // tp) if workload.pipeline else []
+
+    def pipelines(tp: int) -> list[tuple]:
+        return [(tp, pp, "zero1") for pp in pp_degrees(tp)]
+
+    order: list[tuple] = []
+    if hw.nodes > 1 and _huge(facts, hw, workload):
+        top = max(tps, default=1)
+        order += pipelines(top) + [(top, 1, "zero3"), (top, 1, "hsdp3")]
+    if hw.nodes == 1 and not LINKS_WITHIN_NODE[hw.interconnect]:
+        order += plain(1) + pipelines(1) + sharded(1)
+    for tp in (1, *tps):
+        order += plain(tp) + sharded(tp)
+    for tp in (1, *tps):
+        order += pipelines(tp)
+    # then the rest (DDP or ZeRO-2/3 under a pipeline), the smallest model split first
+    for tp in (1, *tps):
+        for pp in (1, *pp_degrees(tp)):
+            order += [(tp, pp, data) for data in ("ddp", "zero2", "zero3")]
+    configs: list[ParallelismConfig] = []
+    for tp, pp, data in order:
+        config = _config(hw, tp, pp, data)
+        if config is not None and config not in configs:
+            configs.append(config)
+    return configs
+
+
+def _huge(facts: ModelFacts, hw: Hardware, workload: Workload) -> bool:
+    """True when a ZeRO-3 copy does not fit inside one node, so the model must be split across nodes."""
+    one_node = ParallelismConfig(
+        dp_replicate_size=1, dp_shard_size=hw.devices_per_node, tp_size=1, pp_size=1, zero_stage=3
+    )
+    return _memory(facts, hw, workload, one_node).fraction > USABLE_FRACTION
+
+
+def _tp_degrees(facts: ModelFacts, per_node: int) -> list[int]:
+    """TP degrees > 1 that divide a node's devices and the (kv) heads; transformers only."""
+    if facts.shape.layers is None:
+        return []
+    return [
+        t
+        for t in range(2, per_node + 1)
+        if per_node % t == 0 and all(h is None or h % t == 0 for h in (facts.heads, facts.kv_heads))
+    ]
+
+
+def _pp_degrees(facts: ModelFacts, devices: int) -> list[int]:
+    """Pipeline degrees > 1 that divide `devices` and give every stage at least one block."""
+    return [p for p in range(2, min(devices, facts.blocks) + 1) if devices % p == 0]
+
+
+def _config(hw: Hardware, tp: int, pp: int, data: str) -> ParallelismConfig | None:
+    """The validated config for (tp, pp, data strategy over the rest), or None where it makes no sense."""
+    if hw.devices % (tp * pp):
+        return None
+    dp = hw.devices // (tp * pp)
+    options: dict[str, Any] = {"tp_size": tp, "pp_size": pp}
+    if pp > 1:
+        options["pp_microbatches"] = MICROBATCHES_PER_STAGE * pp
+    if data == "ddp" or (data == "zero1" and dp == 1):
+        options.update(dp_replicate_size=dp, dp_shard_size=1)
+    elif data.startswith("zero"):
+        if dp < 2:
+            return None
+        options.update(dp_replicate_size=1, dp_shard_size=dp, zero_stage=int(data[-1]))
+    else:  # hsdp: shard inside each node, replicate across nodes
+        shard = hw.devices_per_node // tp
+        if pp > 1 or hw.nodes < 2 or hw.devices_per_node % tp or shard < 2:
+            return None
+        options.update(dp_replicate_size=hw.nodes, dp_shard_size=shard, zero_stage=int(data[-1]))
+    return ParallelismConfig(**options).validate(hw.devices)
+
+
+def _why(config: ParallelismConfig) -> str:
+    """The guide's reason for a layout's place in the order, one clause per dimension."""
+    parts = []
+    if config.tp_size > 1:
+        parts.append(
+            f"TP {config.tp_size} inside a node: every layer split, activations all-reduced in each layer's "
+            "forward and backward, so it needs the fast intra-node link"
+        )
+    if config.pp_size > 1:
+        p, m = config.pp_size, config.pp_microbatches
+        parts.append(
+            f"PP {p}: stages pass only activations, point to point; 1F1B with {m} micro-batches, bubble "
+            f"(p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%}"
+        )
+    shard, stage, replicas = config.dp_shard_size, config.zero_stage, config.dp_replicate_size
+    if stage and replicas > 1:
+        parts.append(
+            f"HSDP: ZeRO-{stage} over {shard} devices inside each node, {replicas} replicas across nodes; "
+            "only a gradient all-reduce crosses the inter-node link"
+        )
+    elif stage == 1:
+        parts.append(
+            f"ZeRO-1 over {shard}: optimizer state sharded; with PP the guide uses ZeRO-1 only (ZeRO-2/3 "
+            "would reduce-scatter or gather for every micro-batch)"
+        )
+    elif stage == 2:
+        parts.append(
+            f"ZeRO-2 over {shard}: gradients and optimizer state sharded, DDP's traffic, no model change"
+        )
+    elif stage == 3:
+        parts.append(
+            f"ZeRO-3/FSDP over {shard}: parameters sharded too and gathered block by block in forward and "
+            "backward (1.5x DDP's traffic), no model change"
+        )
+    elif replicas > 1:
+        parts.append(f"DDP over {replicas}: one gradient all-reduce per step, no model change")
+    return "; ".join(parts) or "one device: nothing to parallelise"
+
+
+def _why_lost(candidate: Candidate, winner: Candidate) -> str:
+    need = candidate.memory
+    if need.fraction > USABLE_FRACTION:
+        return (
+            f"does not fit: needs {memory.format_bytes(need.total)} per device, more than "
+            f"{USABLE_FRACTION:.0%} of {memory.format_bytes(need.device_memory)}"
+        )
+    return (
+        f"fits only tightly ({need.fraction:.0%} of a device); {winner.config.describe()} fits comfortably "
+        f"({winner.memory.fraction:.0%} <= {COMFORTABLE_FRACTION:.0%})"
+    )
+
+
+# -- reasons and the nothing-fits message ------------------------------------------------------------------
+def _reasons(facts: ModelFacts, hw: Hardware, workload: Workload, winner: Candidate) -> tuple[str, ...]:
+    precision = workload.bytes
+    one_device = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, pp_size=1)
+    single = _memory(facts, hw, workload, one_device)
+    largest_state = sum(
+        memory.model_state_bytes(
+            "single", precision, facts.largest_layer_parameters, facts.largest_layer_parameters, 1
+        )
+    )
+    usable = USABLE_FRACTION * hw.device_memory
+    reasons = [f"model: {facts.describe()}"]
+    if single.fraction <= COMFORTABLE_FRACTION and hw.devices == 1:
+        reasons.append(
+            f"one device: it holds the model comfortably ({single.fraction:.0%}), nothing to split"
+        )
+    elif single.fraction <= COMFORTABLE_FRACTION:
+        reasons.append(
+            f"case 1 (the guide: the model fits onto one device): one device needs "
+            f"{memory.format_bytes(single.total)} ({single.fraction:.0%}), so DDP, the guide's first choice; "
+            "ZeRO would only save memory that is not needed, at the cost of more communication"
+        )
+    elif largest_state > usable:
+        reasons.append(
+            f"case 3 (the guide: the largest layer does not fit onto one device): {facts.largest_layer} "
+            f"holds {facts.largest_layer_parameters:,} parameters, {memory.format_bytes(largest_state)} of "
+            f"{workload.precision} training state, more than {memory.format_bytes(usable)}; PP keeps layers "
+            "whole, so without ZeRO-3 only TP can split it"
+        )
+    else:
+        reasons.append(
+            f"case 2 (the guide: the model does not fit onto one device): one device would need "
+            f"{memory.format_bytes(single.total)} ({single.fraction:.0%} of "
+            f"{memory.format_bytes(hw.device_memory)}), so the model state is sharded or split"
+        )
+    if single.fraction > COMFORTABLE_FRACTION:
+        reasons.append(_link_reason(facts, hw, workload))
+    limit = (
+        "comfortably (<= 75% of a device)"
+        if winner.memory.fraction <= COMFORTABLE_FRACTION
+        else (
+            "at all (<= 90%); nothing earlier fits comfortably, so headroom is thin: a smaller micro-batch "
+            "or activation checkpointing gives more"
+        )
+    )
+    reasons.append(
+        f"chosen: {winner.config.describe()}: {winner.why}; {memory.format_bytes(winner.memory.total)} per "
+        f"device ({winner.memory.fraction:.0%}), the first layout in this order that fits {limit}"
+    )
+    if winner.config.pp_size > 1:
+        reasons.append(
+            f"one step runs {winner.config.pp_microbatches} micro-batches through the pipeline (4 per "
+            f"stage): global batch = micro-batch x {winner.config.pp_microbatches} x dp "
+            f"{winner.config.dp_size} (the guide: mbs x chunks x dp)"
+        )
+    if workload.micro_batch_size is None:
+        reasons.append("activations not counted (no micro-batch size and sequence length given)")
+    elif facts.shape.layers is None:
+        reasons.append("activations not counted: the model is not recognised as a transformer")
+    elif workload.activation_checkpointing:
+        reasons.append(
+            "activation checkpointing assumed: each block keeps only its input and is recomputed in backward"
+        )
+    return tuple(reasons)
+
+
+def _link_reason(facts: ModelFacts, hw: Hardware, workload: Workload) -> str:
+    if hw.nodes == 1:
+        if LINKS_WITHIN_NODE[hw.interconnect]:
+            return (
+                f"one node linked by {hw.interconnect}: on fast links the guide finds PP, ZeRO and TP "
+                "similar; ZeRO comes first because it needs no change to the model, then TP inside the "
+                "node, then PP"
+            )
+        return (
+            f"one node linked by {hw.interconnect}: without NVLink the guide finds PP faster than TP or "
+            "ZeRO, so pipelines come first (ZeRO-1 over the data-parallel rest), then ZeRO, then TP"
+        )
+    text = f"{hw.nodes} nodes x {hw.devices_per_node}: TP stays inside a node (tp <= {hw.devices_per_node}); "
+    if _huge(facts, hw, workload):
+        return text + (
+            "a ZeRO-3 copy does not fit inside one node, so the model is split: TP over a node's devices, PP "
+            "across nodes (only activations cross the inter-node link, point to point) and ZeRO-1 over the "
+            "rest, the guide's DP + PP + TP + ZeRO"
+        )
+    if LINKS_BETWEEN_NODES[hw.inter_node]:
+        return text + (
+            f"with a fast inter-node link ({hw.inter_node}) the guide's first choice is ZeRO over all "
+            "devices: it needs no change to the model"
+        )
+    return text + (
+        f"a ZeRO-3 copy fits inside one node and the inter-node link ({hw.inter_node}) is slow: HSDP shards "
+        "inside each node and only all-reduces gradients across nodes"
+    )
+
+
+def _nothing_fits(facts: ModelFacts, hw: Hardware, workload: Workload, ranked: list[Candidate]) -> PlanError:
+    """The error when no layout fits: how short the best one falls, and each remedy re-planned."""
+    best = min(ranked, key=lambda c: c.memory.total)
+    fixes = []
+    if workload.micro_batch_size is not None and facts.shape.layers is not None:
+        if not workload.activation_checkpointing:
+            checkpointed = dataclasses.replace(workload, activation_checkpointing=True)
+            fixes.append(("activation checkpointing", hw, checkpointed))
+        if workload.micro_batch_size > 1:
+            fixes.append(("micro-batch size 1", hw, dataclasses.replace(workload, micro_batch_size=1)))
+    for allowed, label in (("pipeline", "pipeline parallelism"), ("tensor_parallel", "tensor parallelism")):
+        if not getattr(workload, allowed):
+            fixes.append((f"allowing {label}", hw, dataclasses.replace(workload, **{allowed: True})))
+    if workload.precision != "bf16":
+        fixes.append(("bf16 (no fp32 master weights)", hw, dataclasses.replace(workload, precision="bf16")))
+    helps = []
+    for label, hardware, changed in fixes:
+        index, ranked_fix = _choose(facts, hardware, changed)
+        helps.append(
+            f"{label}: " + (_fit_text(ranked_fix[index]) if index is not None else "still does not fit")
+        )
+    for more in _more_devices(hw):
+        index, ranked_more = _choose(facts, more, workload)
+        if index is not None:
+            helps.append(f"{more.describe().split(', ')[0]}: {_fit_text(ranked_more[index])}")
+            break
+    else:
+        helps.append(f"more devices (up to {more.devices}): still does not fit")
+    return PlanError(
+        f"nothing fits: on {hw.describe()}, training {facts.describe()} in {workload.precision} needs at "
+        f"least {memory.format_bytes(best.memory.total)} per device ({best.config.describe()}), more than "
+        f"{USABLE_FRACTION:.0%} of {memory.format_bytes(hw.device_memory)}. What would help: "
+        + "; ".join(helps)
+        + "."
+    )
+
+
+def _fit_text(candidate: Candidate) -> str:
+    return f"fits as {candidate.config.describe()} ({memory.format_bytes(candidate.memory.total)} per device)"
+
+
+def _more_devices(hw: Hardware) -> list[Hardware]:
+    """Bigger versions of `hw`: the node filled up to 8 devices first, then twice the nodes, up to 1024x."""
+    grown = []
+    per_node, nodes = hw.devices_per_node, hw.nodes
+    while len(grown) < 10:
+        if per_node < 8:
+            per_node *= 2
+        else:
+            nodes *= 2
+        grown.append(dataclasses.replace(hw, devices=per_node * nodes, nodes=nodes))
+    return grown

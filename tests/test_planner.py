@@ -1,0 +1,369 @@
+"""`unison.planner` and `unison plan`: the guide's decision tree on a table of cases and on published layouts.
+
+Models are built on the meta device (shapes only). The Llama-like factories below are also the CLI's
+TARGETs (`tests/test_planner.py:llama_3_1_405b`), so this file must import without pytest's conftest.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.nn as nn
+from launching import REPO_ROOT
+
+from unison import memory, planner
+from unison.commands.main import build_parser
+from unison.parallel.config import ParallelismConfig
+from unison.planner import Hardware, PlanError, Workload, parse_memory
+
+GiB = 2**30
+
+
+class Attention(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int):
+        super().__init__()
+        self.num_heads, self.num_key_value_heads = heads, kv_heads
+        head_dim = hidden // heads
+        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
+        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int):
+        super().__init__()
+        self.input_layernorm = nn.RMSNorm(hidden)
+        self.self_attn = Attention(hidden, heads, kv_heads)
+        self.post_attention_layernorm = nn.RMSNorm(hidden)
+        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
+        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+
+
+class LlamaLike(nn.Module):
+    """Llama's parameter shapes (grouped-query attention, SwiGLU, untied output layer); no forward needed."""
+
+    def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(vocab, hidden)
+        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, intermediate) for _ in range(layers))
+        self.norm = nn.RMSNorm(hidden)
+        self.lm_head = nn.Linear(hidden, vocab, bias=False)
+
+
+def llama_3_1_8b() -> nn.Module:
+    return LlamaLike(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
+
+
+def llama_3_1_405b() -> nn.Module:
+    return LlamaLike(layers=126, hidden=16384, heads=128, kv_heads=8, intermediate=53248, vocab=128256)
+
+
+def llama_1b() -> nn.Module:
+    """~0.95B: small enough that the table's device sizes read like arithmetic (fp32: 15.2 GB of state)."""
+    return LlamaLike(layers=16, hidden=2048, heads=16, kv_heads=16, intermediate=5632, vocab=32000)
+
+
+def llama_1b_huge_vocab() -> nn.Module:
+    """The same blocks under a 1M-token vocabulary: one 2.05B-parameter embedding, the largest layer."""
+    return LlamaLike(layers=16, hidden=2048, heads=16, kv_heads=16, intermediate=5632, vocab=1_000_000)
+
+
+def gpt2_124m() -> nn.Module:
+    from tiny_gpt import gpt_model  # examples/gpt/model.py; tests/workers is on sys.path under pytest
+
+    config = gpt_model.GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
+    return gpt_model.GPT(config)
+
+
+@functools.cache
+def facts(factory_name: str) -> planner.ModelFacts:
+    with torch.device("meta"):
+        return planner.model_facts(globals()[factory_name]())
+
+
+def plan(factory_name: str, devices: int, device_memory: str, workload: Workload | None = None, **hardware):
+    return planner.plan_for(
+        facts(factory_name),
+        Hardware(devices, parse_memory(device_memory), **hardware),
+        workload or Workload(),
+    )
+
+
+def layout(config: ParallelismConfig) -> tuple:
+    return (config.dp_replicate_size, config.dp_shard_size, config.tp_size, config.pp_size, config.zero_stage)
+
+
+LLAMA_8B_RUN = Workload("bf16-mixed", micro_batch_size=1, seq_len=8192)
+
+NODES_2 = {"nodes": 2}
+PCIE = {"interconnect": "pcie"}
+FAST_NODES_2 = {"nodes": 2, "inter_node": "infiniband"}
+STATE = Workload()  # fp32, model state only
+
+TABLE = [  # factory, devices, memory, hardware, workload, (dp_replicate, dp_shard, tp, pp, zero), reason
+    pytest.param("llama_1b", 8, "40GB", {}, STATE, (8, 1, 1, 1, None), "case 1", id="fits: DDP"),
+    pytest.param("llama_1b", 8, "12GB", {}, STATE, (1, 8, 1, 1, 2), "case 2", id="does not fit: ZeRO-2"),
+    pytest.param(
+        "llama_1b", 8, "5GB", {}, STATE, (1, 8, 1, 1, 3), "case 2", id="ZeRO-2 does not fit: ZeRO-3"
+    ),
+    pytest.param(
+        "llama_1b", 8, "12GB", PCIE, STATE, (1, 4, 1, 2, 1), "faster than TP or ZeRO", id="PCIe: PP first"
+    ),
+    pytest.param(
+        "llama_1b_huge_vocab", 8, "24GB", {}, STATE, (1, 2, 4, 1, 2), "case 3", id="largest layer: TP"
+    ),
+    pytest.param(
+        "llama_3_1_8b", 16, "80GB", NODES_2, LLAMA_8B_RUN, (2, 8, 1, 1, 3), "HSDP", id="2 slow nodes: HSDP"
+    ),
+    pytest.param(
+        "llama_3_1_8b",
+        16,
+        "80GB",
+        FAST_NODES_2,
+        LLAMA_8B_RUN,
+        (1, 16, 1, 1, 3),
+        "ZeRO over all",
+        id="2 fast nodes",
+    ),
+    pytest.param(
+        "llama_1b", 16, "40GB", NODES_2, STATE, (16, 1, 1, 1, None), "case 1", id="2 nodes, fits: DDP"
+    ),
+]
+
+
+@pytest.mark.parametrize("factory, devices, device_memory, hardware, workload, expected, reason", TABLE)
+def test_decision_table(factory, devices, device_memory, hardware, workload, expected, reason):
+    result = plan(factory, devices, device_memory, workload, **hardware)
+    assert layout(result.config) == expected, result.reasons
+    assert result.config.validate(devices) == result.config  # already valid for the world size
+    assert any(reason in line for line in result.reasons), result.reasons
+    assert result.memory.fraction <= planner.COMFORTABLE_FRACTION
+    assert result.runners_up, "the runners-up say what else was priced"
+
+
+def test_memory_of_a_layout_is_hand_computed_zero_arithmetic():
+    """ZeRO-3 over 8 for the 8B run: shards + one gathered unit (embedding+head) + Korthikanti activations."""
+    result = plan("llama_3_1_8b", 8, "80GB", LLAMA_8B_RUN)
+    f = facts("llama_3_1_8b")
+    n = f.shape.parameters
+    assert n == 32 * (2 * 4096**2 + 2 * 4096 * 1024 + 3 * 4096 * 14336 + 2 * 4096) + 2 * 128256 * 4096 + 4096
+    unit = 2 * 128256 * 4096 + 4096  # everything outside the blocks is the largest ZeRO-3 unit here
+    assert f.largest_unit == unit
+    need = result.memory
+    assert need.parameters == 2 * math.ceil(n / 8) + 2 * unit  # bf16 shard + the gathered unit
+    assert need.gradients == 2 * math.ceil(n / 8) + 2 * unit
+    assert need.optimizer == 12 * math.ceil(n / 8)  # fp32 master weights + two Adam moments, sharded
+    assert need.activations == 32 * 34 * 8192 * 4096 + 4 * 8192 * 128256  # 34·s·b·h per block + fp32 logits
+    assert need.device_memory == 80 * GiB and need.total == sum(
+        (need.parameters, need.gradients, need.optimizer, need.activations)
+    )
+    tight = {c.config.zero_stage: c for c in result.runners_up if layout(c.config)[:4] == (1, 8, 1, 1)}
+    zero2 = tight[2].memory
+    assert zero2.parameters == 2 * n and zero2.gradients == 2 * math.ceil(n / 8) + 2 * unit
+    assert 0.75 < zero2.fraction <= 0.90 and "fits only tightly" in tight[2].why
+
+
+def test_llama_3_1_8b_on_8_h100_is_fsdp_alone():
+    """Meta / torchtitan: 8B on one 8 x H100 node, seq 8192, FSDP (ZeRO-3) over the 8, no TP, no PP."""
+    result = plan("llama_3_1_8b", 8, "80GB", LLAMA_8B_RUN)
+    assert layout(result.config) == (1, 8, 1, 1, 3)
+    assert 7.9e9 < facts("llama_3_1_8b").shape.parameters < 8.1e9
+
+
+def test_llama_3_1_405b_on_512_h100_is_tp8_inside_nodes_pp_across_fsdp_over_the_rest():
+    """Meta: TP 8 x PP 16 x DP 4 at seq 8192 (activations recomputed); the plan lands on it or next to it."""
+    start = time.perf_counter()
+    with torch.device("meta"):
+        model = llama_3_1_405b()
+    built = time.perf_counter() - start
+    assert built < 5, f"building the 405B on meta took {built:.1f} s"
+    workload = Workload("bf16-mixed", 1, 8192, activation_checkpointing=True)
+    result = planner.plan_parallelism(
+        model,
+        Hardware(512, parse_memory("80GB"), nodes=64),
+        micro_batch_size=1,
+        seq_len=8192,
+        precision="bf16-mixed",
+        activation_checkpointing=True,
+    )
+    config = result.config
+    assert 405e9 < result.model.shape.parameters < 406.5e9 and result.workload == workload
+    assert config.tp_size == 8 and config.pp_size in (8, 16, 32)
+    assert config.dp_shard_size == 512 // (8 * config.pp_size) and config.zero_stage == 1
+    assert (config.pp_size, config.dp_shard_size) == (16, 4)  # exactly Meta's layout
+    assert config.pp_microbatches >= 4 * config.pp_size and config.pp_schedule == "1f1b"
+    assert any("PP across nodes" in line for line in result.reasons)
+    # the heaviest stage: 8 of 126 blocks plus the embedding, split 8 ways by TP
+    f = result.model
+    held = math.ceil((8 * f.block_parameters + math.ceil(f.root_parameters / 2)) / 8)
+    assert result.memory.parameters == 2 * held and result.memory.optimizer == 12 * math.ceil(held / 4)
+    same = planner.plan_for(f, result.hardware, workload)
+    assert same.to_dict() == result.to_dict()  # pure: every rank that plans the same gets the same
+
+
+def test_gpt2_124m_on_8_a100_is_plain_ddp():
+    """nanoGPT: GPT-2 124M on 8 A100s (40 GB: micro-batch 12; 80 GB: 64), plain DDP."""
+    f = facts("gpt2_124m")
+    assert f.shape.parameters == 124_439_808 and f.heads == 12  # tied embedding counted once
+    for device_memory, micro_batch in (("40GB", 12), ("80GB", 64)):
+        result = plan("gpt2_124m", 8, device_memory, Workload("bf16-mixed", micro_batch, 1024))
+        assert layout(result.config) == (8, 1, 1, 1, None), result.reasons
+        assert "case 1" in result.reasons[1]
+
+
+def test_nothing_fits_says_by_how_much_and_what_would_help():
+    with pytest.raises(PlanError, match="nothing fits") as caught:
+        plan("llama_3_1_405b", 512, "80GB", Workload("bf16-mixed", 1, 8192), nodes=64)
+    message = str(caught.value)
+    assert "activation checkpointing: fits as pp=16 x dp_shard=4 x tp=8 (ZeRO-1)" in message
+    assert "more devices (up to" in message and "still does not fit" in message
+    with pytest.raises(PlanError) as caught:
+        plan("llama_1b", 1, "12GB")  # 15.2 GB of fp32 Adam state on one 12 GB device
+    message = str(caught.value)
+    assert "bf16 (no fp32 master weights): fits as single process" in message
+    assert "2 devices (one node): fits as dp_shard=2 (ZeRO-3)" in message
+
+
+def test_layouts_the_run_cannot_take_are_left_out():
+    """parallelism="auto" for a loop without the pipeline step, or a model without a TP plan."""
+    no_pipeline = Workload(pipeline=False)
+    assert layout(plan("llama_1b", 8, "12GB", no_pipeline, interconnect="pcie").config) == (1, 8, 1, 1, 2)
+    run_405b = Workload("bf16-mixed", 1, 8192, activation_checkpointing=True, pipeline=False)
+    result = plan("llama_3_1_405b", 512, "80GB", run_405b, nodes=64)
+    assert layout(result.config) == (1, 64, 8, 1, 3)  # TP inside nodes, ZeRO-3 across them
+    with pytest.raises(PlanError) as caught:
+        plan("llama_1b_huge_vocab", 8, "24GB", Workload(tensor_parallel=False))
+    assert "allowing tensor parallelism: fits as dp_shard=2 x tp=4 (ZeRO-2)" in str(caught.value)
+
+
+def test_bad_inputs_are_named_with_the_rule_and_the_fix():
+    assert parse_memory("80GB") == parse_memory("80GiB") == parse_memory("80 G") == 80 * GiB
+    assert parse_memory("512MB") == 512 * 2**20 and parse_memory("85899345920") == 80 * GiB
+    assert parse_memory("1.5TB") == int(1.5 * 2**40)
+    for bad in ("80 gigs", "GB", "-1GB", "0", "80iB", "eighty"):
+        with pytest.raises(ValueError, match="not (a size|positive)"):
+            parse_memory(bad)
+    memory_bytes = 80 * GiB
+    with pytest.raises(ValueError, match="devices=12 is not divisible by nodes=5"):
+        Hardware(12, memory_bytes, nodes=5)
+    with pytest.raises(ValueError, match="'ethernet' links nodes: give it as inter_node"):
+        Hardware(8, memory_bytes, interconnect="ethernet")
+    with pytest.raises(ValueError, match="inter_node='pigeon' is not a link between nodes"):
+        Hardware(16, memory_bytes, nodes=2, inter_node="pigeon")
+    with pytest.raises(ValueError, match="devices=0"):
+        Hardware(0, memory_bytes)
+    with pytest.raises(ValueError, match="precision='fp16' is unknown"):
+        Workload("fp16")
+    with pytest.raises(ValueError, match="activations need both"):
+        Workload(micro_batch_size=4)
+
+
+def test_detect_hardware_on_this_cpu_machine_and_plan_auto_for_the_tiny_gpt():
+    from tiny_gpt import make_tiny_gpt
+
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    hardware = planner.detect_hardware(world_size=4, local_world_size=2, device="cpu")
+    assert hardware == Hardware(4, ram // 2, nodes=2, interconnect="pcie", inter_node="ethernet")
+    assert planner.detect_hardware(4, 2, torch.device("cpu")) == hardware  # the same on every rank
+    with pytest.raises(ValueError, match="world_size=3, local_world_size=2"):
+        planner.detect_hardware(3, 2, "cpu")
+    result = planner.plan_parallelism(make_tiny_gpt(0, 16), planner.detect_hardware(2, 2, "cpu"))
+    assert layout(result.config) == (2, 1, 1, 1, None) and "case 1" in result.reasons[1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_detect_hardware_reads_the_cuda_device():
+    hardware = planner.detect_hardware(1, 1, "cuda")
+    assert hardware.device_memory == torch.cuda.get_device_properties(0).total_memory
+    assert hardware.devices == 1 and hardware.interconnect == "pcie"  # one GPU: nothing to link
+
+
+DGX_TOPOLOGY = """\
+\tGPU0\tGPU1\tGPU2\tGPU3\tNIC0\tCPU Affinity\tNUMA Affinity\tGPU NUMA ID
+GPU0\t X \tNV18\tNV18\tNV18\tPXB\t0-55,112-167\t0\t\tN/A
+GPU1\tNV18\t X \tNV18\tNV18\tPXB\t0-55,112-167\t0\t\tN/A
+GPU2\tNV18\tNV18\t X \tNV18\tSYS\t56-111\t1\t\tN/A
+GPU3\tNV18\tNV18\tNV18\t X \tSYS\t56-111\t1\t\tN/A
+NIC0\tPXB\tPXB\tSYS\tSYS\t X
+"""
+PCIE_TOPOLOGY = """\
+\tGPU0\tGPU1\tCPU Affinity\tNUMA Affinity
+GPU0\t X \tPHB\t0-31\t0
+GPU1\tPHB\t X \t0-31\t0
+"""
+
+
+def test_link_is_read_from_the_nvidia_smi_topology_matrix():
+    assert planner.link_from_topology(DGX_TOPOLOGY, 4) == "nvlink"
+    assert planner.link_from_topology(DGX_TOPOLOGY, 2, visible_devices="2,3") == "nvlink"
+    assert planner.link_from_topology(PCIE_TOPOLOGY, 2) == "pcie"
+    assert planner.link_from_topology(PCIE_TOPOLOGY, 4) == "pcie"  # more processes than GPUs listed
+    assert planner.link_from_topology("nvidia-smi: command failed", 2) == "pcie"
+
+
+def test_cli_json_for_scripts():
+    result = subprocess.run(
+        [sys.executable, "-m", "unison", "plan", "tests/test_planner.py:llama_3_1_405b", "--devices", "512",
+         "--nodes", "64", "--device-memory", "80GB", "--precision", "bf16-mixed", "--micro-batch-size", "1",
+         "--seq-len", "8192", "--activation-checkpointing", "--json"],
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)
+    config = ParallelismConfig(**report["config"])  # the fields are ParallelismConfig's own
+    assert (config.tp_size, config.pp_size, config.dp_shard_size, config.zero_stage) == (8, 16, 4, 1)
+    assert config.validate(512) == config
+    keys = {"parameters", "gradients", "optimizer", "activations", "total", "device_memory", "fraction"}
+    assert keys <= report["memory"].keys() and report["memory"]["device_memory"] == 80 * GiB
+    parts = ("parameters", "gradients", "optimizer", "activations")
+    assert report["memory"]["total"] == sum(report["memory"][part] for part in parts)
+    assert any("case 2" in reason for reason in report["reasons"])
+    assert report["runners_up"] and all({"config", "memory", "why"} <= r.keys() for r in report["runners_up"])
+
+
+def test_cli_table_prints_config_memory_reasons_and_runners_up(capsys):
+    code = _run_cli("plan", "tests/test_planner.py:llama_1b", "--devices", "8", "--device-memory", "12GB")
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "recommended: dp_shard=8 (ZeRO-2)" in out and "ParallelismConfig(dp_replicate_size=1" in out
+    assert "case 2 (the guide: the model does not fit onto one device)" in out
+    assert "one node linked by nvlink" in out and "runners-up:" in out and "does not fit" in out
+    assert memory.format_bytes(plan("llama_1b", 8, "12GB").memory.total) in out
+
+
+def test_cli_errors_exit_2_with_the_reason(capsys):
+    target = "tests/test_planner.py:llama_1b"
+    assert _run_cli("plan", target, "--devices", "12", "--nodes", "5") == 2
+    assert "devices=12 is not divisible by nodes=5" in capsys.readouterr().err
+    assert _run_cli("plan", target, "--devices", "1", "--device-memory", "12GB") == 2
+    err = capsys.readouterr().err
+    assert "nothing fits" in err and "What would help" in err
+    for flag, value, reason in (
+        ("--interconnect", "ethernet", "'ethernet' is a link for --inter-node"),
+        ("--inter-node", "token-ring", "unknown link 'token-ring'"),
+        ("--device-memory", "80 gigs", "is not a size"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            _run_cli("plan", target, "--devices", "8", flag, value)
+        assert caught.value.code == 2 and reason in capsys.readouterr().err
+
+
+def _run_cli(*argv: str) -> int:
+    """main() in-process minus its log handler (a subprocess costs ~3 s here), run from the repo root."""
+    cwd = os.getcwd()
+    os.chdir(REPO_ROOT)
+    try:
+        args = build_parser().parse_args(list(argv))
+        return args.run(args)
+    finally:
+        os.chdir(cwd)
