@@ -52,11 +52,13 @@ def assert_loaded_exactly(result: dict, context) -> None:
 
 def test_same_layout_resume_is_bit_exact(two):
     """Saved at step 2 and resumed, two more steps: every shard and optimizer state torch.equal to the
-    run that never stopped (ZeRO-3 and ZeRO-1 on 2 processes)."""
+    run that never stopped (ZeRO-3, ZeRO-1 and tensor parallel on 2 processes; pipeline stages load
+    their own state back)."""
     for rank, report in enumerate(two):
         assert_loaded_exactly(report["zero3_to_zero3_loaded"], rank)
         assert report["zero3_counters"] == 2
-        for layout in ("zero3", "zero1"):
+        assert report["pipeline_to_pipeline"]["equal"], (rank, report["pipeline_to_pipeline"])
+        for layout in ("zero3", "zero1", "tp"):
             assert report[f"{layout}_resume"]["keys_match"], (rank, layout)
             assert report[f"{layout}_resume"]["equal"], (rank, layout, report[f"{layout}_resume"])
 
@@ -74,10 +76,11 @@ def test_zero3_checkpoint_loads_under_tensor_parallel_ddp_and_zero1(two):
         assert not shares[0] & shares[1] and len(shares[0] | shares[1]) == 28
 
 
-def test_zero1_and_plain_ddp_checkpoints_load_into_zero3(two):
+def test_zero1_and_plain_ddp_checkpoints_load_into_zero3_and_zero1(two):
     for rank, report in enumerate(two):
         assert_loaded_exactly(report["zero1_to_zero3"], rank)
         assert_loaded_exactly(report["ddp_to_zero3"], rank)
+        assert_loaded_exactly(report["ddp_to_zero1"], rank)
         # DDP keeps the plain single-file format
         assert report["ddp_files"] == [
             "counters.pt",

@@ -61,14 +61,23 @@ TOLERANCE = {"sgd": 1e-5, "sgd_acc2": 1e-5, "items_acc2": 1e-5, "adamw": 1e-4}
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
 
 
+# One launch per world size, each a few minutes on a loaded 2-core machine (8 processes: ~1.5 min quiet).
+pytestmark = pytest.mark.timeout(900)
+
+
 @pytest.fixture(scope="module")
 def reports(tmp_path_factory):
+    """World size -> its report, launched on first use (so each launch is timed with one test)."""
     out = tmp_path_factory.mktemp("strategies")
-    result = {}
-    for world, layouts in LAYOUTS.items():
-        launch_ok(WORKERS / "strategy_worker.py", world, out / f"{world}.json", *layouts, timeout=600)
-        result[world] = json.loads((out / f"{world}.json").read_text())
-    return result
+
+    class Reports(dict):
+        def __missing__(self, world):
+            path = out / f"{world}.json"
+            launch_ok(WORKERS / "strategy_worker.py", world, path, *LAYOUTS[world], timeout=900)
+            self[world] = json.loads(path.read_text())
+            return self[world]
+
+    return Reports()
 
 
 @pytest.mark.parametrize("world, layout", CASES)
@@ -113,11 +122,12 @@ def test_per_rank_memory_follows_the_design_formulas(reports, world, layout):
 def test_each_layout_runs_on_the_engine_it_names(reports):
     engines = {
         layout: {run["engine"] for run in entry["runs"].values()}
-        for layouts in reports.values()
-        for layout, entry in layouts["layouts"].items()
+        for world in LAYOUTS
+        for layout, entry in reports[world]["layouts"].items()
     }
     assert engines["ddp"] == engines["zero1"] == {"DistributedDataParallel"}
     assert engines["zero2"] == engines["zero3"] == {"FSDPGPT"}
     assert engines["dp_replicate_size=2,dp_shard_size=2"] == {"FSDPGPT"}
     assert engines["tp_size=2"] == {"GPT"}  # tensor parallel alone: the user's module, DTensor inside
     assert engines["dp_replicate_size=2,tp_size=2"] == {"FSDPGPT"}
+    assert engines["pp_size=2,dp_shard_size=2,tp_size=2"] == {"PipelineModel"}

@@ -25,6 +25,7 @@ from .ops import (
     reduce,
     send_to_device,
 )
+from .parallel.config import ParallelismConfig
 from .random import set_seed
 from .state import AcceleratorState, DistributedType, GradientState, PartialState
 
@@ -43,6 +44,7 @@ __all__ = [
     "GradientState",
     "InitProcessGroupKwargs",
     "IterableDatasetShard",
+    "ParallelismConfig",
     "PartialState",
     "ProjectConfiguration",
     "__version__",

@@ -144,7 +144,7 @@ class Accelerator:
             # Pure check of the degrees against the world size: every rank raises the same error, before work.
             self._set_layout(ParallelismConfig.coerce(parallelism).validate(self.num_processes))
         # id(parameter before prepare) -> its sharded replacement, for optimizers built before prepare().
-        self._replaced_parameters: dict[int, torch.nn.Parameter] = {}
+        self._replaced_parameters: dict[int, torch.nn.Parameter | None] = {}
 
     def _set_layout(self, config: ParallelismConfig) -> None:
         if config.legacy_data_parallel:
@@ -325,7 +325,7 @@ class Accelerator:
         self._models.append(prepared)
         return prepared
 
-    def _check_no_optimizer_holds(self, replaced: dict[int, torch.nn.Parameter]) -> None:
+    def _check_no_optimizer_holds(self, replaced: dict[int, torch.nn.Parameter | None]) -> None:
         """An optimizer prepared before its model would keep updating the parameters sharding replaced."""
         for optimizer in self._optimizers:
             if any(id(p) in replaced for group in optimizer.param_groups for p in group["params"]):

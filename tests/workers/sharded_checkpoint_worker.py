@@ -327,6 +327,20 @@ def two_processes(out: Path) -> dict:
     load_training_state(target, out / "ddp")
     report["ddp_files"] = sorted(p.name for p in (out / "ddp").iterdir())
     report["ddp_to_zero3"] = compare_loaded(target, ddp_expected)
+    target = zero1()  # ZeroRedundancyOptimizer reads a plain optimizer state dict itself
+    load_training_state(target, out / "ddp")
+    report["ddp_to_zero1"] = compare_loaded(target, ddp_expected)
+
+    # tensor parallel: its own resume
+    run = tensor_parallel()
+    train(run, steps, split=False)
+    save_training_state(run, out / "tp")
+    train(run, more, split=False)
+    uninterrupted = local_tensors(run)
+    resumed = tensor_parallel()
+    load_training_state(resumed, out / "tp")
+    train(resumed, more, split=False)
+    report["tp_resume"] = diff(local_tensors(resumed), uninterrupted)
 
     # a plain run's optimizer state is keyed by position: it does not fit a stage's optimizer
     target = pipeline_stage(dist.get_rank())
@@ -347,6 +361,9 @@ def two_processes(out: Path) -> dict:
             {"model": reference.model.state_dict(), "optimizer": full_optimizer_state(reference)},
             out / "pipeline_expected.pt",
         )
+    resumed = pipeline_stage(dist.get_rank())
+    load_training_state(resumed, out / "pipeline")
+    report["pipeline_to_pipeline"] = diff(local_tensors(resumed), local_tensors(stage))
     gathered = consolidated_state_dict(stage.model)
     if dist.get_rank() == 0:
         report["pipeline_consolidated"] = diff(gathered, reference.model.state_dict())

@@ -35,7 +35,7 @@ logger = logging.getLogger("unison")
 
 
 def data_parallel_engine(config: ParallelismConfig) -> str:
-    """"none", "ddp", "fsdp" or "dataparallel": how gradients are combined over data-parallel copies.
+    """ "none", "ddp", "fsdp" or "dataparallel": how gradients are combined over data-parallel copies.
 
     FSDP2 whenever ZeRO-2/3 is asked for, and also with tensor or pipeline parallelism: DDP cannot
     wrap DTensor parameters, and its reducer breaks under torch's pipeline schedules (engine notes,
@@ -126,14 +126,26 @@ def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh[tuple(names)] if len(names) == 2 else mesh[names[0]]
 
 
-def replaced_parameters(before: dict[str, nn.Parameter], model: nn.Module) -> dict[int, nn.Parameter]:
-    """id(old parameter) -> the parameter now at the same name in `model`, for those that changed."""
+def replaced_parameters(before: dict[str, nn.Parameter], model: nn.Module) -> dict[int, nn.Parameter | None]:
+    """id(old parameter) -> the parameter now at its name in `model` where it changed (FSDP2), or None
+    where `model` no longer has it (a pipeline rank keeps only its stages' parameters)."""
     after = dict(model.named_parameters(remove_duplicate=False))
-    return {id(old): after[name] for name, old in before.items() if name in after and after[name] is not old}
+    mapping: dict[int, nn.Parameter | None] = {}
+    kept: set[int] = set()
+    for name, old in before.items():
+        new = after.get(name)
+        if new is old:
+            kept.add(id(old))  # a tied weight may survive under one of its names only
+        elif new is not None or id(old) not in mapping:
+            mapping[id(old)] = new
+    return {key: new for key, new in mapping.items() if not (new is None and key in kept)}
 
 
-def switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter]) -> None:
-    """Point a not-yet-stepped optimizer at the parameters that replaced the ones it was built from.
+def switch_optimizer_parameters(
+    optimizer: torch.optim.Optimizer, mapping: dict[int, nn.Parameter | None]
+) -> None:
+    """Point a not-yet-stepped optimizer at the parameters that replaced the ones it was built from,
+    and drop those this rank no longer holds (so a pipeline rank frees the other stages' weights).
 
     Optimizers read `param_groups` on every step, so swapping the entries is enough while no state
     (keyed by parameter) exists yet.
@@ -147,7 +159,8 @@ def switch_optimizer_parameters(optimizer: torch.optim.Optimizer, mapping: dict[
             "prepare(): create the optimizer before its first step and prepare it with the model."
         )
     for group in optimizer.param_groups:
-        group["params"] = [mapping.get(id(p), p) for p in group["params"]]
+        swapped = (mapping.get(id(p), p) for p in group["params"])
+        group["params"] = [p for p in swapped if p is not None]
 
 
 def attach_loss_parallel(model: nn.Module) -> None:

@@ -43,10 +43,10 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unison.parallel.blocks import find_blocks
+from unison.parallel.config import PP_SCHEDULES
 
 logger = logging.getLogger("unison")
 
-SCHEDULES = ("gpipe", "1f1b", "interleaved")
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
 
@@ -355,8 +355,8 @@ class _StageModule(nn.Module):
 
 
 def _check_schedule(schedule: str) -> None:
-    if schedule not in SCHEDULES:
-        raise ValueError(f"pipeline schedule {schedule!r} is unknown: use one of {', '.join(SCHEDULES)}.")
+    if schedule not in PP_SCHEDULES:
+        raise ValueError(f"pipeline schedule {schedule!r} is unknown: use one of {', '.join(PP_SCHEDULES)}.")
 
 
 def split_model(

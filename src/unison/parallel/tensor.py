@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import types
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from fnmatch import fnmatch
 
 import torch
@@ -54,6 +54,7 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
+from torch.distributed.tensor.placement_types import Placement
 
 logger = logging.getLogger("unison")
 
@@ -75,7 +76,9 @@ class FusedColwiseParallel(ColwiseParallel):
     device. See the module docstring for why the parameter itself is not stored strided.
     """
 
-    def __init__(self, parts: int = 3, *, input_layouts=None, use_local_output: bool = True):
+    def __init__(
+        self, parts: int = 3, *, input_layouts: Placement | None = None, use_local_output: bool = True
+    ):
         super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
         if parts < 2:
             raise ValueError(
@@ -83,11 +86,6 @@ class FusedColwiseParallel(ColwiseParallel):
                 "use ColwiseParallel for a single one."
             )
         self.parts = parts
-
-    @staticmethod
-    def _local_output_fn(use_local_output: bool, module, outputs: DTensor, device_mesh) -> torch.Tensor:
-        # The strided layout is the one the caller wants: no redistribution, unlike ColwiseParallel.
-        return outputs.to_local() if use_local_output else outputs
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         if not isinstance(module, nn.Linear):
@@ -109,7 +107,8 @@ class FusedColwiseParallel(ColwiseParallel):
             lambda mod, inputs, mesh: self._prepare_input_fn(
                 self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
             ),
-            lambda mod, outputs, mesh: self._local_output_fn(self.use_local_output, mod, outputs, mesh),
+            # the strided output is the layout the caller wants: unlike ColwiseParallel, no redistribution
+            lambda mod, outputs, mesh: outputs.to_local() if self.use_local_output else outputs,
         )
         layout = (_StridedShard(0, split_factor=self.parts),)
 
@@ -306,18 +305,21 @@ def _resolve(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     return found
 
 
-def _split_sizes(style: ParallelStyle, module: nn.Module) -> Iterator[tuple[str, int, int]]:
-    """(what, size, number of equal blocks it holds) that `style` splits over the TP ranks."""
-    if isinstance(style, FusedColwiseParallel) and isinstance(module, nn.Linear):
-        yield "out_features (each fused block)", module.out_features, style.parts
-    elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Linear):
-        yield "out_features", module.out_features, 1
-    elif isinstance(style, ColwiseParallel) and isinstance(module, nn.Embedding):
-        yield "embedding_dim", module.embedding_dim, 1
-    elif isinstance(style, RowwiseParallel) and isinstance(module, nn.Linear):
-        yield "in_features", module.in_features, 1
-    elif isinstance(style, RowwiseParallel) and isinstance(module, nn.Embedding):
-        yield "num_embeddings (vocabulary)", module.num_embeddings, 1
+def _split_size(style: ParallelStyle, module: nn.Module) -> tuple[str, int, int] | None:
+    """(what, size, equal blocks in it) that `style` splits over the TP ranks; None if nothing."""
+    if isinstance(module, nn.Linear):
+        if isinstance(style, FusedColwiseParallel):
+            return "out_features (each fused block)", module.out_features, style.parts
+        if isinstance(style, ColwiseParallel):
+            return "out_features", module.out_features, 1
+        if isinstance(style, RowwiseParallel):
+            return "in_features", module.in_features, 1
+    if isinstance(module, nn.Embedding):
+        if isinstance(style, ColwiseParallel):
+            return "embedding_dim", module.embedding_dim, 1
+        if isinstance(style, RowwiseParallel):
+            return "num_embeddings (vocabulary)", module.num_embeddings, 1
+    return None
 
 
 def _config_value(model: nn.Module, *names: str) -> int | None:
@@ -398,10 +400,11 @@ def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) ->
                 "module names, '*' matching one name part (e.g. 'transformer.h.*.mlp.c_fc'); fix the name."
             )
         for name, module in matched:
-            for what, size, blocks in _split_sizes(style, module):
-                if size % (blocks * tp):
-                    share = f"{blocks} blocks of {size // blocks}" if blocks > 1 else str(size)
-                    problems.append(f"{name} ({type(style).__name__}): {what} = {share}")
+            split = _split_size(style, module)
+            if split is not None and split[1] % (split[2] * tp):
+                what, size, blocks = split
+                share = f"{blocks} blocks of {size // blocks}" if blocks > 1 else str(size)
+                problems.append(f"{name} ({type(style).__name__}): {what} = {share}")
     if problems:
         raise ValueError(
             f"tensor parallel degree tp={tp} must divide every size the plan splits, but these do not: "

@@ -1,0 +1,247 @@
+"""Step time and per-rank memory of every parallel layout on the GPT example, and the pipeline bubble.
+
+    python benchmarks/strategies.py                      # 2 and 4 processes, about 5 minutes on 2 cores
+    python benchmarks/strategies.py --nproc 2 --steps 6
+
+For each process count the script launches itself under `unison launch --cpu` and trains the GPT
+example's model (4 layers x 128, 64-character context, AdamW) through `Accelerator(parallelism=...)`
+and `forward_backward` under each layout, with the same global batch per optimizer step everywhere:
+
+1. Layouts: median step time over --steps steps (after 2 untimed ones), and the bytes per rank of
+   parameters + gradients + optimizer state (largest rank), next to design.md §3's formula for it.
+   The ratio that matters is memory: what each layout saves per rank. On CPU/gloo the communication
+   of the sharded layouts dominates step time; their speed is a GPU question (see docs/).
+2. Pipeline bubble (pp=2, 1F1B, the same micro-batch of --bubble-micro-batch sequences): the step time
+   T(m) for m = 1, 2, 4, 8 micro-batches. m = 1 is naive model parallelism, where the stages run one
+   after the other, so one stage's work is t = T(1) / p; the measured bubble is 1 - m t / T(m), the
+   share of the step a rank waits, against the schedule's (p - 1) / (m + p - 1).
+
+The main process prints the tables and writes everything as JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "examples" / "gpt"))
+sys.path.insert(0, str(HERE))
+from machine import describe_machine  # noqa: E402
+from model import GPT, GPTConfig  # noqa: E402
+
+from unison import Accelerator, PartialState  # noqa: E402
+from unison.memory import PRECISIONS, model_state_bytes  # noqa: E402
+from unison.parallel.pipeline import pipeline_bubble_fraction  # noqa: E402
+
+GLOBAL_BATCH = 16  # sequences per optimizer step, every layout
+BLOCK = 64
+VOCAB = 96
+# layout -> (memory formula, devices it divides by, model split by TP x PP)
+LAYOUTS = {
+    2: {
+        "ddp": ("ddp", 2, 1),
+        "zero1": ("zero1", 2, 1),
+        "zero2": ("zero2", 2, 1),
+        "zero3": ("zero3", 2, 1),
+        "tp_size=2": ("single", 1, 2),
+        "pp_size=2,pp_microbatches=4": ("single", 1, 2),
+    },
+    4: {
+        "ddp": ("ddp", 4, 1),
+        "zero1": ("zero1", 4, 1),
+        "zero2": ("zero2", 4, 1),
+        "zero3": ("zero3", 4, 1),
+        "dp_replicate_size=2,dp_shard_size=2": ("zero3", 2, 1),
+        "tp_size=4": ("single", 1, 4),
+        "dp_shard_size=2,tp_size=2": ("zero3", 2, 2),
+        "pp_size=2,dp_shard_size=2,pp_microbatches=4": ("zero3", 2, 2),
+        "pp_size=2,tp_size=2,pp_microbatches=4": ("single", 1, 4),
+        "pp_size=4,pp_microbatches=4": ("single", 1, 4),
+    },
+}
+MICROBATCHES = (1, 2, 4, 8)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    arg = parser.add_argument
+    arg("--nproc", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS), help="process counts")
+    arg("--steps", type=int, default=8, help="timed optimizer steps per layout")
+    arg("--bubble-micro-batch", type=int, default=4, help="sequences per pipeline micro-batch")
+    arg("--out", type=Path, default=HERE / "results" / "strategies.json")
+    arg("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run the layouts, write JSON here
+    return parser.parse_args()
+
+
+def make_model() -> GPT:
+    torch.manual_seed(0)
+    return GPT(GPTConfig(block_size=BLOCK, vocab_size=VOCAB, n_layer=4, n_head=4, n_embd=128))
+
+
+def next_token_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(output[0].flatten(0, 1), targets.flatten())
+
+
+def local_bytes(tensor: torch.Tensor | None) -> int:
+    if tensor is None:
+        return 0
+    tensor = tensor.to_local() if hasattr(tensor, "to_local") else tensor
+    return tensor.numel() * tensor.element_size()
+
+
+def held_bytes(model: torch.nn.Module, optimizer) -> int:
+    """Parameters + gradients + optimizer state this rank holds (local shards), after a step."""
+    params = {id(p): p for p in model.parameters()}.values()
+    inner = getattr(optimizer.optimizer, "optim", optimizer.optimizer)  # ZeroRedundancyOptimizer's share
+    state = sum(
+        local_bytes(v) for s in inner.state.values() for v in s.values() if torch.is_tensor(v) and v.dim()
+    )
+    return sum(local_bytes(p) + local_bytes(p.grad) for p in params) + state
+
+
+def run_layout(layout: str, steps: int, batch_per_rank: int | None = None) -> dict:
+    """Train `steps` + 2 steps under `layout`; median step seconds and this rank's bytes."""
+    accelerator = Accelerator(cpu=True, parallelism=layout)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    per_rank = batch_per_rank or GLOBAL_BATCH // accelerator.parallelism.dp_size
+    tokens = torch.randint(0, VOCAB, (per_rank, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+    times = []
+    for step in range(steps + 2):
+        start = time.perf_counter()
+        accelerator.forward_backward(model, x, y, next_token_loss)
+        optimizer.step()
+        if step == 0:
+            memory = held_bytes(model, optimizer)  # gradients are still there (zero_grad sets None)
+        optimizer.zero_grad()
+        accelerator.wait_for_everyone()
+        if step >= 2:
+            times.append(time.perf_counter() - start)
+    return {"step_s": statistics.median(times), "bytes": memory}
+
+
+def worker(out: Path, steps: int, bubble_micro_batch: int) -> None:
+    state = PartialState(cpu=True)
+    torch.set_num_threads(1)
+    results: dict = {"layouts": {}, "bubble": []}
+    for layout in LAYOUTS[state.num_processes]:
+        result = run_layout(layout, steps)
+        gathered = [None] * state.num_processes
+        torch.distributed.all_gather_object(gathered, result["bytes"])
+        results["layouts"][layout] = {"step_s": result["step_s"], "bytes_per_rank": gathered}
+    if state.num_processes == 2:
+        for m in MICROBATCHES:
+            layout = f"pp_size=2,pp_microbatches={m},pp_schedule=1f1b"
+            timing = run_layout(layout, steps, batch_per_rank=m * bubble_micro_batch)
+            results["bubble"].append({"p": 2, "m": m, "step_s": timing["step_s"]})
+    if state.is_main_process:
+        out.write_text(json.dumps(results))
+
+
+def launch(nproc: int, steps: int, bubble_micro_batch: int) -> dict:
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "result.json"
+        command = [
+            sys.executable,
+            "-m",
+            "unison",
+            "launch",
+            "--nproc-per-node",
+            str(nproc),
+            "--cpu",
+            __file__,
+        ]
+        command += [
+            "--worker",
+            str(out),
+            "--steps",
+            str(steps),
+            "--bubble-micro-batch",
+            str(bubble_micro_batch),
+        ]
+        subprocess.run(command, check=True)
+        return json.loads(out.read_text())
+
+
+def report(args: argparse.Namespace) -> None:
+    fp32 = next(p for p in PRECISIONS if p.name == "fp32")
+    psi = make_model().num_parameters()
+    rows, bubble = [], []
+    for nproc in args.nproc:
+        measured = launch(nproc, args.steps, args.bubble_micro_batch)
+        ddp_time = measured["layouts"]["ddp"]["step_s"]
+        for layout, (strategy, devices, split) in LAYOUTS[nproc].items():
+            entry = measured["layouts"][layout]
+            part = math.ceil(psi / split)
+            formula = sum(model_state_bytes(strategy, fp32, part, part, devices))
+            most = max(entry["bytes_per_rank"])
+            rows.append(
+                {
+                    "processes": nproc,
+                    "layout": layout,
+                    "step_ms": 1000 * entry["step_s"],
+                    "step_vs_ddp": entry["step_s"] / ddp_time,
+                    "bytes_per_rank_max": most,
+                    "formula_bytes": formula,
+                    "measured_vs_formula": most / formula,
+                    "bytes_vs_ddp": most / (16 * psi),
+                }
+            )
+        for point in measured["bubble"]:
+            bubble.append(point)
+    if bubble:
+        stage_time = bubble[0]["step_s"] / bubble[0]["p"]  # m = 1: the stages run one after the other
+        for point in bubble:
+            point["measured_bubble"] = 1 - point["m"] * stage_time / point["step_s"]
+            point["formula_bubble"] = pipeline_bubble_fraction(point["p"], point["m"])
+    print(f"GPT example, {psi:,} parameters, fp32 AdamW, {GLOBAL_BATCH} x {BLOCK} tokens per step")
+    header = ("procs", "layout", "step ms", "/ddp", "bytes/rank", "formula", "/16Psi")
+    print("{:>5} {:<46} {:>8} {:>6} {:>11} {:>9} {:>7}".format(*header))
+    for r in rows:
+        print(
+            f"{r['processes']:>5} {r['layout']:<46} {r['step_ms']:8.1f} {r['step_vs_ddp']:6.2f} "
+            f"{r['bytes_per_rank_max']:11,} {r['measured_vs_formula']:9.3f} {r['bytes_vs_ddp']:7.3f}"
+        )
+    if bubble:
+        print(f"\npipeline bubble, p=2, 1F1B, {args.bubble_micro_batch} sequences per micro-batch")
+        print(f"{'m':>3} {'step ms':>8} {'measured':>9} {'(p-1)/(m+p-1)':>14}")
+        for point in bubble:
+            print(
+                f"{point['m']:>3} {1000 * point['step_s']:8.1f} {point['measured_bubble']:9.3f} "
+                f"{point['formula_bubble']:14.3f}"
+            )
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    settings = {"steps": args.steps, "global_batch": GLOBAL_BATCH, "block": BLOCK, "parameters": psi}
+    args.out.write_text(
+        json.dumps(
+            {"machine": describe_machine(), "settings": settings, "layouts": rows, "bubble": bubble}, indent=1
+        )
+    )
+    print(f"\nwritten to {args.out}")
+
+
+def main() -> None:
+    args = parse_args()
+    if args.worker is not None:
+        worker(args.worker, args.steps, args.bubble_micro_batch)
+    else:
+        report(args)
+
+
+if __name__ == "__main__":
+    main()
