@@ -99,9 +99,9 @@ def next_token_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) ->
 
 @torch.no_grad()
 def evaluate(model, val_dl, accelerator: Accelerator) -> float:
-    """Mean validation loss over every process's share of val_dl."""
+    """Mean validation loss over every process's share of val_dl (forward only, any layout)."""
     model.eval()
-    losses = torch.stack([model(x, y)[1] for x, y in val_dl])
+    losses = torch.stack([accelerator.forward_loss(model, x, y, next_token_loss) for x, y in val_dl])
     model.train()
     return accelerator.reduce(losses.mean(), "mean").item()
 
