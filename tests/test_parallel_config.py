@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from launching import WORKERS, launch_ok
 
 from unison import Accelerator, launch_env, launcher
@@ -246,3 +247,22 @@ def test_four_process_meshes(tmp_path):
     assert len(errors) == 1  # the same message on every rank
     (error,) = errors
     assert "dp_shard_size=2 x tp_size=3" in error and "multiply to 6" in error and "world size is 4" in error
+
+
+def test_auto_asks_the_planner_at_prepare_and_needs_the_model_first(fresh_state):
+    accelerator = Accelerator(cpu=True, parallelism="auto")
+    assert accelerator.parallelism is None and accelerator.plan is None  # nothing chosen before a model
+    loader = torch.utils.data.DataLoader(list(range(4)), batch_size=2)
+    with pytest.raises(ValueError, match="prepare the model first, or in the same call"):
+        accelerator.prepare(loader)
+    model = torch.nn.Linear(4, 4)
+    prepared, prepared_loader = accelerator.prepare(model, loader)  # the model goes first within a call
+    assert accelerator.parallelism.describe() == "single process" and prepared is model
+    assert any("one device" in reason for reason in accelerator.plan.reasons), accelerator.plan.reasons
+    assert len(list(prepared_loader)) == 2
+
+
+def test_launch_accepts_auto_and_passes_it_to_the_workers():
+    env = launcher.worker_environment(4, cpu=True, parallelism="Auto")
+    assert env[launch_env.PARALLELISM] == "Auto"
+    launcher._validate_parallelism("auto", 4, 1, 1)  # no degrees to check before the planner runs
