@@ -195,7 +195,7 @@ def test_launcher_exports_and_checks_parallelism(tmp_path):
     )
     for parallelism, message in [
         ("tp_size=3", "--parallelism: the parallel degrees"),
-        ("auto", "--parallelism: parallelism='auto'"),
+        ("fsdp", "--parallelism: parallelism='fsdp' is not understood"),
     ]:
         with pytest.raises(LaunchError, match=message):
             launcher.validate(LaunchOptions(str(script), nproc_per_node=4, cpu=True, parallelism=parallelism))
