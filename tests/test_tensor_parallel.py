@@ -183,6 +183,21 @@ def test_sequence_and_loss_parallel_plans():
     assert plan["lm_head"].output_layouts == (Shard(-1),) and not plan["lm_head"].use_local_output
 
 
+def test_sequence_parallel_on_a_pipeline_stage_but_not_past_an_unknown_module():
+    later_stage = make_tiny_gpt(0, BLOCK)  # a later pipeline stage: no embeddings, receives shards
+    del later_stage.transformer["wte"], later_stage.transformer["wpe"]
+    plan = tensor_parallel_plan(later_stage, sequence_parallel=True)
+    assert "transformer.wte" not in plan and type(plan["transformer.ln_f"]) is SequenceParallel
+    renamed = make_tiny_gpt(0, BLOCK)  # an embedding the layout does not know would see whole sequences
+    renamed.transformer["tok"] = renamed.transformer.pop("wte")
+    with pytest.raises(ValueError, match=r"sequence_parallel=True needs.*transformer.tok"):
+        tensor_parallel_plan(renamed, sequence_parallel=True)
+    no_final_norm = make_tiny_gpt(0, BLOCK)
+    del no_final_norm.transformer["ln_f"]
+    with pytest.raises(ValueError, match="final_norm"):
+        tensor_parallel_plan(no_final_norm, sequence_parallel=True)
+
+
 def test_llama_plan_from_module_names():
     plan = tensor_parallel_plan(TinyLlama(), sequence_parallel=True)
     for name in ("q_proj", "k_proj", "v_proj"):

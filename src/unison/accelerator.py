@@ -58,7 +58,7 @@ from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
-from .parallel.tensor import tensor_parallel_plan
+from .parallel.tensor import tensor_parallel_plan, total_grad_norm
 from .parallel.zero import shard_optimizer_state, skip_gradient_sync
 from .planner import Plan, detect_hardware, plan_parallelism
 from .precision import PrecisionPolicy
@@ -570,7 +570,7 @@ class Accelerator:
         if pipeline is not None:
             once = {id(p) for p in pipeline.norm_parameters()}
             counted = [p for p in parameters if id(p) in once]
-        norm = _total_norm([p.grad for p in counted if p.grad is not None], norm_type)
+        norm = total_grad_norm(counted, norm_type)
         if pipeline is not None:
             norm = _combine_norms(norm, norm_type, self.device_mesh["pp"].get_group())
         # torch's foreach kernels refuse a list mixing DTensors of different meshes or with plain tensors
@@ -724,25 +724,6 @@ def _has_tensor_parallel_plan(model: torch.nn.Module) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _total_norm(grads: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    """The norm of all `grads` together: sharded ones (DTensor) as whole tensors, plain ones as they are.
-
-    torch's norm kernels take one kind at a time: DTensors of one mesh (FSDP over TP leaves the norms
-    on the data-parallel mesh and the TP weights on the 2-D one), or plain tensors.
-    """
-    groups: dict[Any, list[torch.Tensor]] = {}
-    for grad in grads:
-        key = id(grad.device_mesh) if isinstance(grad, DTensor) else None
-        groups.setdefault(key, []).append(grad)
-    norms = []
-    for group in groups.values():
-        norm = torch.nn.utils.get_total_norm(group, norm_type)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    if not norms:
-        return torch.zeros(())
-    return torch.nn.utils.get_total_norm(norms, norm_type)
 
 
 def _combine_norms(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:

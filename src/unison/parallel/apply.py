@@ -97,12 +97,14 @@ def _parallelize_part(
 ) -> nn.Module:
     """Tensor parallel, then the data-parallel engine, on a whole model or one pipeline stage."""
     if (config.tp_size or 1) > 1:
+        # A user's plan already says which styles it wants; the two flags choose the built-in plan's.
+        builtin = config.tp_plan is None
         apply_tensor_parallel(
             model,
             mesh["tp"],
             plan=config.tp_plan,
-            sequence_parallel=config.sequence_parallel,
-            loss_parallel=config.loss_parallel,
+            sequence_parallel=config.sequence_parallel and builtin,
+            loss_parallel=config.loss_parallel and builtin,
         )
     engine = data_parallel_engine(config)
     if engine == "none" or not any(p.requires_grad for p in model.parameters()):

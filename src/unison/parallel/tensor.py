@@ -4,33 +4,25 @@ A plan maps module-name patterns ("transformer.h.*.attn.c_proj") to torch's para
 block's first projections are column-parallel (a rank computes its share of the heads / hidden units),
 the second ones row-parallel (partial sums, one all-reduce per sub-layer). `tensor_parallel_plan`
 builds that plan for the layouts it recognises by their module names; any other model passes its own.
+docs/tensor-parallel.md explains the choices; in short:
 
-Choices that make the built-in plans exact and keep checkpoints in the model's own layout:
+- Fused q|k|v (GPT-2's `c_attn`, split with `chunk(3, dim=-1)`): rank r must compute q_r, k_r and v_r,
+  where a plain column split would give rank 0 the first 3E/T rows. `FusedColwiseParallel` stores the
+  weight as the plain `Shard(0)` of the original matrix and redistributes it in forward to
+  `_StridedShard(0, split_factor=3)`. Stored strided, DCP refuses the parameter (a rank's rows are not
+  one block) and FSDP2's split of it has no DTensor placement (wrong full tensors); stored plain, the
+  checkpoints, `full_tensor()`, FSDP2 and the optimizer state all see the original layout, for one
+  all-gather of the weight in forward and of its gradient in backward per layer.
+- The token embedding (`RowwiseParallel`) and the head (`ColwiseParallel`) are both split over the
+  vocabulary, rows `Shard(0)` of the same matrix, so a tied pair is re-tied as one parameter.
+  `loss_parallel=True` leaves the logits a vocabulary-sharded DTensor: the cross-entropy and its
+  backward must then run inside `torch.distributed.tensor.parallel.loss_parallel()`.
+- Sequence parallel splits the norms and the residual stream over the sequence, turning each
+  activation all-reduce into a reduce-scatter + all-gather.
 
-- Fused q|k|v (GPT-2's `c_attn`, Linear(E, 3E), split with `chunk(3, dim=-1)`): rank r must compute
-  q_r, k_r and v_r (its heads of each third), but a plain column split gives rank 0 the first 3E/T rows
-  (for T=2 all of q and half of k). `FusedColwiseParallel` stores the weight as the plain `Shard(0)`
-  of the original matrix and, in forward, redistributes it to `_StridedShard(0, split_factor=3)`:
-  rows r of each third, so the output's local columns are [q_r | k_r | v_r]. Storing the parameter
-  itself as `_StridedShard` would save that exchange, but a rank's strided rows are not one block of
-  the matrix: distributed checkpoint refuses it ("overlapping chunks") and FSDP2's dim-0 split of the
-  local rows cannot be described by DTensor placements (its full tensor comes out permuted). With the
-  plain `Shard(0)` storage, `full_tensor()`, `get_model_state_dict`, DCP, FSDP2 on a (dp, tp) mesh and
-  the optimizer state all see the original layout. The cost is one all-gather of the weight (3E x E)
-  in forward and one of its gradient in backward per layer, versus activations (tokens x 3E) had the
-  output been re-laid out instead.
-- Embedding and head: the token embedding is split over the vocabulary (`RowwiseParallel`) and the
-  head over the vocabulary too (`ColwiseParallel`): both hold rows `Shard(0)` of the same (V, E)
-  matrix, so a tied pair stays one parameter (re-tied after the styles replaced it) and the per-rank
-  memory stays ~1/T. `loss_parallel=True` leaves the logits as a DTensor sharded over the vocabulary:
-  the cross-entropy and its backward must then run inside `torch.distributed.tensor.parallel.loss_parallel()`.
-- Sequence parallel splits the norms' and residual stream's activations over the sequence
-  (`SequenceParallel`, `PrepareModuleInput`), turning each all-reduce into a reduce-scatter + all-gather.
-
-Every rank of a TP group must see the same batch. Replicated parameters (norms, and anything the plan
-leaves out) are broadcast from the group's first rank, so a model initialised differently per rank
-still starts identical. For FSDP2 on top, apply this first on `mesh["tp"]`, then
-`unison.parallel.zero.apply_zero(model, stage, mesh=mesh["dp_shard"])` on the same root mesh.
+Every rank of a TP group must see the same batch. Replicated parameters (norms, what the plan leaves
+out) are broadcast from the group's first rank. For FSDP2 on top, apply this first on `mesh["tp"]`,
+then `unison.parallel.zero.apply_zero(model, stage, mesh=mesh["dp_shard"])` on the same root mesh.
 """
 
 from __future__ import annotations
@@ -223,6 +215,30 @@ def _detect_layout(model: nn.Module) -> tuple[str, dict[str, str], dict[str, nn.
     )
 
 
+def _check_sequence_parallel_roles(
+    model: nn.Module, layout: str, roles: dict[str, str], patterns: Mapping[str, nn.Module]
+) -> None:
+    """Sequence parallel must know every module that sees the residual stream whole.
+
+    A norm or embedding the plan missed would compute on sequence shards with replicated weights:
+    silently wrong gradients. A pipeline stage legitimately lacks the embedding (it receives sequence
+    shards from the previous stage) or the final norm and head (it sends them on), so those may be
+    absent when the stage has no module of their kind at all.
+    """
+    missing = [role for role in ("norm_attention", "norm_mlp") if role not in roles]
+    embeddings = [p for p, m in patterns.items() if isinstance(m, nn.Embedding) and "*" not in p]
+    if "embedding" not in roles and embeddings:
+        missing.append(f"embedding (the model has {embeddings}, not named as the {layout} layout's)")
+    if "final_norm" not in roles and "head" in roles:
+        missing.append("final_norm (before lm_head)")
+    if missing:
+        raise ValueError(
+            f"sequence_parallel=True needs every norm and the token embedding of the {layout} layout, but "
+            f"{type(model).__name__} has no module for {missing}. Use sequence_parallel=False or pass "
+            "your own plan."
+        )
+
+
 def tensor_parallel_plan(
     model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
@@ -237,19 +253,11 @@ def tensor_parallel_plan(
     rep, seq = Replicate(), Shard(1)
     between = seq if sequence_parallel else rep  # layout of the residual stream outside the blocks' matmuls
     if sequence_parallel:
-        missing = [
-            role for role in ("norm_attention", "norm_mlp", "final_norm", "embedding") if role not in roles
-        ]
-        if missing:
-            raise ValueError(
-                f"sequence_parallel=True needs every norm and the token embedding of the {layout} layout, "
-                f"but {type(model).__name__} has no module for {missing}. Use sequence_parallel=False or "
-                "pass your own plan."
-            )
-    if loss_parallel and "head" not in roles:
-        raise ValueError(
-            f"loss_parallel=True shards the logits of the output head, but {type(model).__name__} has no "
-            "module named lm_head. Use loss_parallel=False or pass your own plan."
+        _check_sequence_parallel_roles(model, layout, roles, patterns)
+    if loss_parallel and "head" not in roles:  # e.g. a pipeline stage before the last: nothing to shard
+        logger.warning(
+            "loss_parallel=True: %s has no module named lm_head, so its logits are not sharded.",
+            type(model).__name__,
         )
     linear = nn.Linear
     plan: dict[str, ParallelStyle] = {}
@@ -265,7 +273,8 @@ def tensor_parallel_plan(
     if sequence_parallel:
         plan[roles["norm_attention"]] = SequenceParallel()
         plan[roles["norm_mlp"]] = SequenceParallel()
-        plan[roles["final_norm"]] = SequenceParallel()
+        if "final_norm" in roles:
+            plan[roles["final_norm"]] = SequenceParallel()
         plan[roles["attention"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,))
         plan[roles["mlp"]] = PrepareModuleInput(input_layouts=(seq,), desired_input_layouts=(rep,))
     if layout == "gpt":
