@@ -266,3 +266,11 @@ def test_launch_accepts_auto_and_passes_it_to_the_workers():
     env = launcher.worker_environment(4, cpu=True, parallelism="Auto")
     assert env[launch_env.PARALLELISM] == "Auto"
     launcher._validate_parallelism("auto", 4, 1, 1)  # no degrees to check before the planner runs
+
+
+def test_sequence_parallel_with_a_user_plan_is_refused():
+    config = ParallelismConfig(tp_size=2, tp_plan={"mlp.fc": object()}, sequence_parallel=True)
+    with pytest.raises(ValueError, match="put SequenceParallel\\(\\) entries into tp_plan"):
+        config.validate(2)
+    with pytest.raises(ValueError, match="sequence_parallel=True was given but tp_size=1"):
+        ParallelismConfig(sequence_parallel=True).validate(2)

@@ -239,6 +239,13 @@ class ParallelismConfig:
                     f"{option}={value!r} was given but {dimension}=1, so it would be ignored: set "
                     f"{dimension} >= 2, or drop {option}."
                 )
+        if self.tp_plan is not None and self.sequence_parallel:
+            raise ValueError(
+                "sequence_parallel=True selects the built-in tensor-parallel plan's sequence-parallel "
+                "styles, "
+                "but tp_plan was given and is used as it is: put SequenceParallel() entries into tp_plan "
+                "(see docs/tensor-parallel.md), or drop tp_plan to use the built-in plan."
+            )
         if self.pp_split_points is not None:
             self._check_stage_count(len(self.pp_split_points) + 1)
 
