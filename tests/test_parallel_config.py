@@ -274,3 +274,12 @@ def test_sequence_parallel_with_a_user_plan_is_refused():
         config.validate(2)
     with pytest.raises(ValueError, match="sequence_parallel=True was given but tp_size=1"):
         ParallelismConfig(sequence_parallel=True).validate(2)
+
+
+def test_zero_blocks_needs_a_sharding_stage():
+    assert (
+        ParallelismConfig(zero_stage=3, zero_blocks="transformer.h").validate(2).zero_blocks
+        == "transformer.h"
+    )
+    with pytest.raises(ValueError, match="zero_blocks='transformer.h' names the block list"):
+        ParallelismConfig(zero_blocks="transformer.h").validate(2)  # plain DDP shards nothing

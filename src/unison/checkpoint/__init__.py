@@ -1,6 +1,8 @@
 """Checkpoints: atomic, verified directories on disk (storage), the training state in them
-(training_state), and consolidated weights for use without unison (weights)."""
+(training_state; sharded layouts through DCP in sharded), and consolidated weights for use without
+unison from any layout (weights)."""
 
+from .sharded import ModelLayout, model_layouts
 from .storage import (
     MANIFEST_NAME,
     CheckpointError,
@@ -16,20 +18,30 @@ from .storage import (
     write_checkpoint,
 )
 from .training_state import load_training_state, save_training_state
-from .weights import SAFETENSORS_FILE, TORCH_FILE, save_model_weights
+from .weights import (
+    SAFETENSORS_FILE,
+    TORCH_FILE,
+    consolidated_state_dict,
+    save_consolidated_weights,
+    save_model_weights,
+)
 
 __all__ = [
     "MANIFEST_NAME",
     "SAFETENSORS_FILE",
     "TORCH_FILE",
     "CheckpointError",
+    "ModelLayout",
     "ProjectConfiguration",
     "checkpoint_path",
+    "consolidated_state_dict",
     "list_checkpoints",
     "load_object",
     "load_training_state",
+    "model_layouts",
     "newest_checkpoint",
     "prune_checkpoints",
+    "save_consolidated_weights",
     "save_model_weights",
     "save_object",
     "save_training_state",

@@ -113,7 +113,7 @@ def _parallelize_part(
         return wrap_data_parallel(model)
     if engine == "ddp":
         return wrap_ddp(model, device, {**ddp_kwargs, "process_group": _dp_group(mesh)})
-    return apply_zero(model, fsdp_stage(config), mesh=_fsdp_mesh(mesh))
+    return apply_zero(model, fsdp_stage(config), mesh=_fsdp_mesh(mesh), blocks=config.zero_blocks)
 
 
 def _dp_group(mesh: DeviceMesh | None):

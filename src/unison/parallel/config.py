@@ -53,6 +53,8 @@ class ParallelismConfig:
     pp_microbatches: micro-batches per step for the pipeline; None lets the strategy pick.
     tp_plan: module name (pattern) -> parallel style, or None for the built-in plans.
     pp_split_points: module names where a new pipeline stage begins, or None to balance by parameters.
+    zero_blocks: qualified name of the block list that ZeRO-2/3 shard one block at a time (e.g.
+        "transformer.h"), or None to use the model's largest ModuleList/Sequential of one class.
     sequence_parallel: with tensor parallel, also split norms and the residual stream over the sequence
         (activation memory / tp_size there; each all-reduce becomes a reduce-scatter + all-gather).
     loss_parallel: with tensor parallel, compute the cross-entropy on vocabulary-sharded logits without
@@ -73,6 +75,7 @@ class ParallelismConfig:
     pp_microbatches: int | None = None
     tp_plan: Mapping[str, Any] | None = None
     pp_split_points: Sequence[str] | None = None
+    zero_blocks: str | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
     legacy_data_parallel: bool = False
@@ -239,6 +242,14 @@ class ParallelismConfig:
                     f"{option}={value!r} was given but {dimension}=1, so it would be ignored: set "
                     f"{dimension} >= 2, or drop {option}."
                 )
+        if self.zero_blocks is not None and (
+            not isinstance(self.zero_blocks, str) or self.dp_size == 1 or self.zero_stage not in (2, 3)
+        ):
+            raise ValueError(
+                f"zero_blocks={self.zero_blocks!r} names the block list that ZeRO-2/3 shard block by block, "
+                f"but this layout is {self.describe()}: give a module name (e.g. 'transformer.h') with "
+                "zero_stage 2 or 3, or leave zero_blocks None."
+            )
         if self.tp_plan is not None and self.sequence_parallel:
             raise ValueError(
                 "sequence_parallel=True selects the built-in tensor-parallel plan's sequence-parallel "
