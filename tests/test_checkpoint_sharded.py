@@ -63,10 +63,10 @@ def test_same_layout_resume_is_bit_exact(two):
             assert report[f"{layout}_resume"]["equal"], (rank, layout, report[f"{layout}_resume"])
 
 
-def test_zero3_checkpoint_loads_under_tensor_parallel_ddp_and_zero1(two):
+def test_zero3_checkpoint_loads_under_tensor_parallel_ddp_zero1_and_pipeline_stages(two):
     for rank, report in enumerate(two):
         assert report["tp_has_dtensors"]
-        for layout in ("tp", "ddp", "zero1"):
+        for layout in ("tp", "ddp", "zero1", "pipeline"):
             assert_loaded_exactly(report[f"zero3_to_{layout}"], (rank, layout))
         for layout in ("ddp", "zero1"):  # and training goes on as the uninterrupted ZeRO-3 run
             trained = report[f"zero3_to_{layout}_then_trained"]
@@ -123,6 +123,7 @@ def test_pipeline_stages_hold_their_keys_and_consolidate_to_the_whole_model(two)
         15,
     ]  # embeddings + block 0 | block 1 + head
     assert two[0]["pipeline_consolidated"]["keys_match"] and two[0]["pipeline_consolidated"]["equal"]
+    assert two[0]["pipeline_tied"]  # the embedding and the head, on two stages, are one tensor again
     assert "model_0" in two[0]["pipeline_files"] and "model_0.pt" not in two[0]["pipeline_files"]
 
 
@@ -153,12 +154,14 @@ def test_one_process_loads_a_checkpoint_written_by_two(saved, source):
     assert accelerator.optimizer_steps == 2
 
 
-@pytest.mark.parametrize("layout", ["zero3", "tp"])
-def test_consolidated_safetensors_equal_the_single_process_file(saved, layout):
-    plain, sharded_file = (
-        saved / "weights_plain" / "model.safetensors",
-        saved / f"weights_{layout}" / "model.safetensors",
-    )
+@pytest.mark.parametrize(
+    ("layout", "single"), [("zero3", "plain"), ("tp", "plain"), ("pipeline", "pipeline_plain")]
+)
+def test_consolidated_safetensors_equal_the_single_process_file(saved, layout, single):
+    """From ZeRO-3, tensor parallel 2 and two pipeline stages: the file one process writes for the same
+    weights (pipeline: the tied embedding and head, held by two stages, written once)."""
+    plain = saved / f"weights_{single}" / "model.safetensors"
+    sharded_file = saved / f"weights_{layout}" / "model.safetensors"
     want, got = load_file(plain), load_file(sharded_file)
     assert sorted(got) == sorted(want) and all(torch.equal(got[k], want[k]) for k in want)
     with safe_open(plain, "pt") as a, safe_open(sharded_file, "pt") as b:

@@ -9,8 +9,9 @@ comfortably (<= 75% of a device), else the first that fits at all (<= 90%). The 
 no formula counts: CUDA context, allocator fragmentation, communication buffers. docs/planner.md lists
 the rules and their sources.
 
-Planning is arithmetic on the model's shape and a description of the hardware, so every rank that plans
-with the same inputs reaches the same layout without talking to the others.
+Planning is arithmetic on the model's shape and a description of the hardware (`unison.hardware`, whose
+Hardware, detect_hardware, parse_memory and link_from_topology are re-exported here, where they began),
+so every rank that plans with the same inputs reaches the same layout without talking to the others.
 """
 
 from __future__ import annotations
@@ -18,16 +19,16 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-import re
-import subprocess
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.nn as nn
 
 from unison import memory
+from unison.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
+from unison.hardware import detect_hardware as detect_hardware
+from unison.hardware import link_from_topology as link_from_topology
+from unison.hardware import parse_memory as parse_memory
 from unison.parallel.blocks import find_blocks
 from unison.parallel.config import ParallelismConfig
 
@@ -38,151 +39,12 @@ USABLE_FRACTION = 0.90
 MICROBATCHES_PER_STAGE = 4
 """Pipeline micro-batches per stage: m = 4p keeps the 1F1B bubble (p-1)/(m+p-1) under 20%."""
 
-LINKS_WITHIN_NODE = {"nvlink": True, "pcie": False}
-"""Links between the devices of one node, and whether the guide counts them as fast."""
-LINKS_BETWEEN_NODES = {"nvlink": True, "infiniband": True, "ethernet": False}
-"""Links between nodes (nvlink: NVLink-switch systems), and whether they count as fast."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
 _HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 _KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
 
 
 class PlanError(ValueError):
     """No layout fits the hardware; the message says by how much and what would make one fit."""
-
-
-def parse_memory(text: str) -> int:
-    """'80GB', '40GiB', '24G', '512MB' or plain bytes -> bytes, in binary units as memory is sold (JEDEC)."""
-    match = _SIZE.match(str(text))
-    if match is None or (match.group(3).lower() == "i" or (match.group(3) and not match.group(2))):
-        raise ValueError(
-            f"device memory {text!r} is not a size: write a number with an optional unit, e.g. 80GB, 40GiB, "
-            "24G, 512MB or 85899345920 (bytes). Units are binary, as GPU memory is quoted: 1GB = 2^30 bytes."
-        )
-    value = int(float(match.group(1)) * _UNIT[match.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"device memory {text!r} is not positive: give the memory of one device, e.g. 80GB.")
-    return value
-
-
-@dataclass(frozen=True)
-class Hardware:
-    """The machines a plan is for: `devices` in all, over `nodes` equal nodes, `device_memory` bytes each.
-
-    interconnect: the link between the devices of one node ("nvlink" fast, "pcie" slow).
-    inter_node: the link between nodes ("nvlink", "infiniband" fast; "ethernet" slow); unused on one node.
-    """
-
-    devices: int
-    device_memory: int
-    nodes: int = 1
-    interconnect: str = "nvlink"
-    inter_node: str = "ethernet"
-
-    def __post_init__(self) -> None:
-        for name in ("devices", "nodes", "device_memory"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} is not a whole number >= 1: give e.g. {name}=8.")
-        if self.devices % self.nodes:
-            raise ValueError(
-                f"devices={self.devices} is not divisible by nodes={self.nodes}: every node holds the same "
-                f"number of devices. Give a multiple of {self.nodes} devices, or the right node count."
-            )
-        if self.interconnect not in LINKS_WITHIN_NODE:
-            hint = (
-                f" ({self.interconnect!r} links nodes: give it as inter_node / --inter-node)"
-                if self.interconnect in LINKS_BETWEEN_NODES
-                else ""
-            )
-            raise ValueError(
-                f"interconnect={self.interconnect!r} is not a link between the devices of one node{hint}: "
-                f"pass one of {', '.join(map(repr, LINKS_WITHIN_NODE))}."
-            )
-        if self.inter_node not in LINKS_BETWEEN_NODES:
-            raise ValueError(
-                f"inter_node={self.inter_node!r} is not a link between nodes: pass one of "
-                f"{', '.join(map(repr, LINKS_BETWEEN_NODES))}."
-            )
-
-    @property
-    def devices_per_node(self) -> int:
-        return self.devices // self.nodes
-
-    def describe(self) -> str:
-        layout = f"{self.devices} device{'s' if self.devices > 1 else ''}" + (
-            f" ({self.nodes} nodes x {self.devices_per_node})" if self.nodes > 1 else " (one node)"
-        )
-        links = f"{self.interconnect} within nodes" + (
-            f", {self.inter_node} between nodes" if self.nodes > 1 else ""
-        )
-        return f"{layout}, {memory.format_bytes(self.device_memory)} each, {links}"
-
-
-def detect_hardware(
-    world_size: int,
-    local_world_size: int,
-    device: torch.device | str,
-    inter_node: str = "ethernet",
-    interconnect: str | None = None,
-) -> Hardware:
-    """The hardware of the running job, read from facts that are the same on every rank of equal nodes.
-
-    Device memory: the CUDA device's total memory, else total RAM shared by the node's processes. The link
-    inside a node: NVLink when `nvidia-smi topo -m` shows NV links between every pair of the node's GPUs,
-    else PCIe (also when nvidia-smi is missing); pass `interconnect` to skip the probe. Between nodes
-    nothing is probed: `inter_node` (default: the slow, safe "ethernet").
-    """
-    if local_world_size < 1 or world_size < 1 or world_size % local_world_size:
-        raise ValueError(
-            f"world_size={world_size}, local_world_size={local_world_size}: the world must be a whole number "
-            "of equal nodes (world_size a multiple of local_world_size, both >= 1)."
-        )
-    device = torch.device(device)
-    if device.type == "cuda":
-        device_memory = torch.cuda.get_device_properties(device).total_memory
-        link = interconnect or _cuda_link(local_world_size)
-    else:
-        device_memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local_world_size
-        link = interconnect or "pcie"
-    return Hardware(world_size, device_memory, world_size // local_world_size, link, inter_node)
-
-
-def _cuda_link(local_world_size: int) -> str:
-    """The link between this node's GPUs from `nvidia-smi topo -m` ('pcie' when it cannot be run)."""
-    if local_world_size < 2:
-        return "pcie"
-    try:
-        topology = subprocess.run(
-            ["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=10, check=True
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return "pcie"
-    return link_from_topology(topology, local_world_size, os.environ.get("CUDA_VISIBLE_DEVICES", ""))
-
-
-def link_from_topology(topology: str, local_world_size: int, visible_devices: str = "") -> str:
-    """'nvlink' when `nvidia-smi topo -m` shows NV# links between every pair of the GPUs used, else 'pcie'.
-
-    The GPUs used: the first `local_world_size` of CUDA_VISIBLE_DEVICES (`visible_devices`, when it lists
-    indices), else of all GPUs in the matrix.
-    """
-    rows = {}
-    for line in topology.splitlines():
-        cells = line.split()
-        if cells and re.fullmatch(r"GPU\d+", cells[0]):
-            rows[int(cells[0][3:])] = cells[1:]
-    used = [int(i) for i in visible_devices.split(",") if i.strip().isdigit()] or sorted(rows)
-    used = used[:local_world_size]
-    if len(used) < local_world_size or any(i not in rows for i in used):
-        return "pcie"
-    try:
-        linked = all(rows[i][j].startswith("NV") for i in used for j in used if i != j)
-    except IndexError:
-        return "pcie"
-    return "nvlink" if linked else "pcie"
 
 
 @dataclass(frozen=True)

@@ -145,6 +145,7 @@ def pipeline_stage(stage: int) -> Run:
         model.transformer.wte = nn.Identity()
         model.transformer.wpe = nn.Identity()
         model.transformer.h[0] = nn.Identity()
+    model.tied_names = [("transformer.wte.weight", "lm_head.weight")]  # as unison's PipelineModel names them
     return Run(model, adamw(model.parameters()))
 
 
@@ -298,6 +299,16 @@ def two_processes(out: Path) -> dict:
             consolidated_state_dict(target.model, all_ranks=True),
             consolidated_state_dict(run.model, all_ranks=True),
         )
+    # ... and into pipeline stages: the head (stage 1) finds the tied embedding's optimizer state
+    target = pipeline_stage(dist.get_rank())
+    load_training_state(target, out / "zero3")
+    tied = {
+        **zero3_expected["optimizer"],
+        "lm_head.weight": zero3_expected["optimizer"]["transformer.wte.weight"],
+    }
+    report["zero3_to_pipeline"] = compare_loaded(
+        target, {"model": zero3_expected["model"], "optimizer": tied}
+    )
     if dist.get_rank() == 0:  # what one process writes for the same weights
         single = make_tiny_gpt(SEED, BLOCK)
         single.load_state_dict(zero3_expected["model"])
@@ -367,6 +378,9 @@ def two_processes(out: Path) -> dict:
     gathered = consolidated_state_dict(stage.model)
     if dist.get_rank() == 0:
         report["pipeline_consolidated"] = diff(gathered, reference.model.state_dict())
+        report["pipeline_tied"] = gathered["lm_head.weight"] is gathered["transformer.wte.weight"]
+        save_model_weights(reference.model, out / "weights_pipeline_plain")
+    save_consolidated_weights(stage.model, out / "weights_pipeline")
     report["pipeline_rank_keys"] = len(stage.model.state_dict())
     report["pipeline_files"] = sorted(p.name for p in (out / "pipeline").iterdir())
 

@@ -316,7 +316,27 @@ def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
         if not stepped:
             state = {k: v for k, v in state.items() if not k.startswith(_OPTIMIZER_STATE_PREFIX)}
             local.state.clear()
+        state = _with_tied_aliases(unwrap(model), state)
     dcp.save(state, storage_writer=FileSystemWriter(directory))
+
+
+def _with_tied_aliases(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """The state of a tied weight under each of its names, not only the first.
+
+    torch keys a tied parameter's optimizer state by its first name (`transformer.wte.weight`); a
+    pipeline stage that holds the same weight under another name (the head, `lm_head.weight`) finds
+    its state under that name too. Loading reads only the names the live optimizer has.
+    """
+    names: dict[int, list[str]] = {}
+    for name, param in module.named_parameters(remove_duplicate=False):
+        names.setdefault(id(param), []).append(name)
+    aliases = dict(state)
+    for first, *others in (group for group in names.values() if len(group) > 1):
+        for section in ("state.", "param_groups."):
+            prefix = f"{section}{first}."
+            for key in [key for key in state if key.startswith(prefix)]:
+                aliases.update((f"{section}{other}.{key[len(prefix) :]}", state[key]) for other in others)
+    return aliases
 
 
 # -- loading ---------------------------------------------------------------------------------------

@@ -75,14 +75,19 @@ def _distributed() -> bool:
 
 def _tie(state: dict[str, torch.Tensor], module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Entries of one shared parameter or buffer (tied weights) share one tensor again after gathering
-    copied them apart, as in `module.state_dict()`."""
+    copied them apart, as in `module.state_dict()`.
+
+    Pipeline stages hold a weight tied across stages as separate copies; a model that names such
+    weights in `tied_names` (tuples of full-model names of one weight, as unison's PipelineModel
+    does) gets them tied in the gathered dict as well.
+    """
     names: dict[int, list[str]] = {}
     for name, tensor in [
         *module.named_parameters(remove_duplicate=False),
         *module.named_buffers(remove_duplicate=False),
     ]:
         names.setdefault(id(tensor), []).append(name)
-    for group in names.values():
+    for group in [*names.values(), *getattr(module, "tied_names", ())]:
         present = [name for name in group if name in state]
         for name in present[1:]:
             state[name] = state[present[0]]
@@ -128,7 +133,7 @@ def consolidated_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> 
         dist.gather_object(mine, pieces if rank == 0 else None, dst=0)
         if rank != 0:
             return {}
-    return {key: value for piece in pieces for key, value in piece.items()}
+    return _tie({key: value for piece in pieces for key, value in piece.items()}, module)
 
 
 def save_consolidated_weights(

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 
 from .. import memory, planner
+from ..hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware, parse_memory
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated) and pick the parallel layout for --devices N
@@ -44,14 +45,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     parser.add_argument(
         "--interconnect",
-        type=_link(planner.LINKS_WITHIN_NODE, "--interconnect"),
+        type=_link(LINKS_WITHIN_NODE, "--interconnect"),
         default="nvlink",
         metavar="LINK",
         help="link between the devices of a node: nvlink (default) or pcie",
     )
     parser.add_argument(
         "--inter-node",
-        type=_link(planner.LINKS_BETWEEN_NODES, "--inter-node"),
+        type=_link(LINKS_BETWEEN_NODES, "--inter-node"),
         default="ethernet",
         metavar="LINK",
         help="link between nodes: ethernet (default), infiniband or nvlink",
@@ -95,7 +96,7 @@ def _positive(text: str) -> int:
 
 def _memory(text: str) -> int:
     try:
-        return planner.parse_memory(text)
+        return parse_memory(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -107,7 +108,7 @@ def _link(links: dict[str, bool], flag: str):
             other = "--inter-node" if flag == "--interconnect" else "--interconnect"
             hint = (
                 f" ({value!r} is a link for {other})"
-                if value in {**planner.LINKS_WITHIN_NODE, **planner.LINKS_BETWEEN_NODES}
+                if value in {**LINKS_WITHIN_NODE, **LINKS_BETWEEN_NODES}
                 else ""
             )
             raise argparse.ArgumentTypeError(
@@ -120,9 +121,7 @@ def _link(links: dict[str, bool], flag: str):
 
 def run(args: argparse.Namespace) -> int:
     try:
-        hardware = planner.Hardware(
-            args.devices, args.device_memory, args.nodes, args.interconnect, args.inter_node
-        )
+        hardware = Hardware(args.devices, args.device_memory, args.nodes, args.interconnect, args.inter_node)
         workload = planner.Workload(
             args.precision,
             args.micro_batch_size,
