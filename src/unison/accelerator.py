@@ -26,18 +26,15 @@ from torch.utils.data import DataLoader
 
 from . import launch_env, ops
 from .checkpoint import (
-    SAFETENSORS_FILE,
-    TORCH_FILE,
     ProjectConfiguration,
     checkpoint_path,
     list_checkpoints,
     load_training_state,
     newest_checkpoint,
     prune_checkpoints,
-    save_model_weights,
     save_training_state,
 )
-from .checkpoint.weights import consolidated_state_dict
+from .checkpoint.weights import consolidated_state_dict, save_consolidated_weights
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
 from .item_count import ItemCount, scale_gradients
 from .kwargs_handlers import (
@@ -199,6 +196,13 @@ class Accelerator:
     @property
     def local_process_index(self) -> int:
         return self.state.local_process_index
+
+    @property
+    def data_parallel_index(self) -> int:
+        """Which share of each batch this process reads: its rank among the data-parallel processes
+        (0..parallelism.dp_size - 1). Tensor-parallel and pipeline peers read the same share."""
+        dp_mesh = data_parallel_mesh(self.device_mesh)
+        return dp_mesh.get_local_rank() if dp_mesh is not None else 0
 
     @property
     def is_main_process(self) -> bool:
@@ -384,8 +388,8 @@ class Accelerator:
         prepared = prepare_data_loader(
             data_loader,
             device=self.device,
-            num_processes=dp_mesh.size() if dp_mesh is not None else 1,
-            process_index=dp_mesh.get_local_rank() if dp_mesh is not None else 0,
+            num_processes=layout.dp_size,
+            process_index=self.data_parallel_index,
             split_batches=self.split_batches,
             put_on_device=device_placement,
             rng_types=self.rng_types,
@@ -706,11 +710,9 @@ class Accelerator:
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True
     ) -> Path:
-        """Consolidated weights of `model`, loadable without unison (model.safetensors by default)."""
-        if self.is_main_process:
-            save_model_weights(self.unwrap_model(model), Path(save_directory), safe_serialization)
-        self.wait_for_everyone()
-        return Path(save_directory) / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
+        """Consolidated weights of `model` from any layout, loadable without unison (model.safetensors
+        by default). Collective: call it on every process; the main process writes the file."""
+        return save_consolidated_weights(model, Path(save_directory), safe_serialization)
 
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""

@@ -82,6 +82,9 @@ class PipelineModel(nn.Module):
         self.microbatches = microbatches
         self._group, self._device = group, device
         self._tie_groups, self._norm_excluded = tie_groups, norm_excluded
+        # the full-model names of each weight tied across stages: consolidated state dicts and
+        # save_model then hold it once, as the plain model's do
+        self.tied_names = self.stage_modules[0].tied_names
         self._loss_fn: LossFn | None = None
         self._loss_scale = 1.0
         self._losses: list[torch.Tensor] = []

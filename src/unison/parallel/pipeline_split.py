@@ -262,6 +262,8 @@ class _StageModule(nn.Module):
         for path in self.pieces:
             _insert(self, path, model.get_submodule(path), model)
         self.tied: dict[str, _Tie] = {}
+        # every tied weight's full-model names, over all stages (consolidation writes one copy)
+        self.tied_names: list[tuple[str, ...]] = []
         owner = {path: s for s, paths in enumerate(pieces) for path in paths}
         first_block = {s: next(p for p in paths if p in layout.blocks) for s, paths in enumerate(pieces)}
         self._entry = first_block[stage_index] if stage_index > 0 else None
@@ -389,8 +391,13 @@ def split_model(
     pieces[-1] = (*pieces[-1], *layout.post)
     stages = [_StageModule(model, layout, pieces, s) for s in range(num_stages) if s % pp_size == pp_rank]
     ties = _ties(model, pieces)
+    groups: dict[str, set[str]] = {}
+    for (_, name), tie in ties.items():
+        groups.setdefault(tie.key, set()).add(name)
+    tied_names = [tuple(sorted(names)) for names in groups.values()]
     for stage in stages:
         stage.tied = {name: tie for (s, name), tie in ties.items() if s == stage.stage_index}
+        stage.tied_names = tied_names
     logger.debug(
         "pipeline split: %s",
         "; ".join(f"stage {s}: {', '.join(paths)}" for s, paths in enumerate(pieces)),
