@@ -98,6 +98,14 @@ def test_clip_grad_norm_returns_the_whole_models_norm(reports, world, layout):
 
 
 @pytest.mark.parametrize("world, layout", CASES)
+def test_gather_for_metrics_counts_each_evaluation_sample_once(reports, world, layout):
+    """Tensor-parallel and pipeline peers read the same batches; gathering keeps one copy of each."""
+    evaluation = reports[world]["layouts"][layout]["runs"]["sgd"]["eval"]
+    assert sorted(evaluation["tensors"]) == list(range(11)), evaluation
+    assert sorted(evaluation["objects"]) == list(range(11)), evaluation
+
+
+@pytest.mark.parametrize("world, layout", CASES)
 def test_per_rank_memory_follows_the_design_formulas(reports, world, layout):
     """fp32 AdamW: parameters + gradients + optimizer state per rank within 5% of design.md §3."""
     fp32 = next(p for p in PRECISIONS if p.name == "fp32")

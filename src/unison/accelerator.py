@@ -53,7 +53,7 @@ from .parallel.apply import (
 )
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
-from .parallel.mesh import build_device_mesh, data_parallel_mesh
+from .parallel.mesh import build_device_mesh, data_parallel_mesh, data_parallel_representatives
 from .parallel.pipeline import PipelineModel
 from .parallel.tensor import tensor_parallel_plan, total_grad_norm
 from .parallel.zero import shard_optimizer_state, skip_gradient_sync
@@ -598,12 +598,24 @@ class Accelerator:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather across processes, dropping the samples duplicated to even out the final batch.
 
-        Over a prepared evaluation loader the concatenated results hold exactly len(dataset) rows.
+        Over a prepared evaluation loader the concatenated results hold exactly len(dataset) rows, in
+        every layout: tensor-parallel and pipeline peers, which read the same batches, count once.
         """
+        representatives = data_parallel_representatives(self.device_mesh)
         if use_gather_object or not _all_leaves_are_tensors(input_data):
-            data = ops.gather_object(input_data)
+            if representatives is None:
+                data = ops.gather_object(input_data)
+            else:  # tensor/pipeline peers hold copies of one dp rank's results: keep one of each
+                everyone: list[Any] = [None] * self.num_processes
+                torch.distributed.all_gather_object(everyone, input_data)
+                kept = [everyone[rank] for rank in representatives]
+                data = [item for obj in kept for item in obj] if isinstance(input_data, list) else kept
         else:
             data = ops.gather(input_data)
+            if representatives is not None:
+                data = ops.recursively_apply(
+                    lambda tensor: _rows_of(tensor, representatives, self.num_processes), data
+                )
         remainder = self.gradient_state.remainder
         if not self.gradient_state.end_of_dataloader or remainder < 0:
             return data
@@ -736,6 +748,12 @@ def _combine_norms(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:
     powered = norm**norm_type
     torch.distributed.all_reduce(powered, group=group)
     return powered ** (1.0 / norm_type)
+
+
+def _rows_of(tensor: torch.Tensor, ranks: list[int], num_processes: int) -> torch.Tensor:
+    """From a gather over all processes (equal row blocks in rank order), the blocks of `ranks`."""
+    blocks = tensor.view(num_processes, tensor.shape[0] // num_processes, *tensor.shape[1:])
+    return blocks[ranks].flatten(0, 1)
 
 
 def _all_leaves_are_tensors(data: Any) -> bool:

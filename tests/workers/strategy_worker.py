@@ -137,6 +137,17 @@ def optimizer_state_bytes(optimizer) -> int:
     )
 
 
+def evaluation_ids(accelerator: Accelerator) -> dict[str, list[int]]:
+    """gather_for_metrics over a prepared loader of 11 samples (uneven over the data-parallel ranks):
+    the ids it returns as tensors and as objects; each sample must appear once in every layout."""
+    loader = accelerator.prepare(DataLoader(TensorDataset(torch.arange(11)), batch_size=2))
+    tensors, objects = [], []
+    for (ids,) in loader:
+        tensors += accelerator.gather_for_metrics(ids).tolist()
+        objects += accelerator.gather_for_metrics(ids.tolist(), use_gather_object=True)
+    return {"tensors": tensors, "objects": objects}
+
+
 def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> dict:
     accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=accumulation)
     model = make_model(layout)
@@ -145,6 +156,7 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
     loader = DataLoader(make_dataset(padded=summed), batch_size=micro_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
     memory: dict[str, int] = {}
+    result: dict = {}
     norms: list[float] = []
     pipeline = accelerator.parallelism.pp_size > 1
     for inputs, targets in loader:
@@ -166,9 +178,11 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
                 memory["grads"] = sum(local_bytes(p.grad) for p in unique_params(model))
                 memory["optimizer"] = optimizer_state_bytes(optimizer)
             optimizer.zero_grad()
+    if optimizer_name == "sgd" and accumulation == 1 and not summed:
+        result["eval"] = evaluation_ids(accelerator)
     full = accelerator.get_state_dict(model)
     expected, expected_norms = reference(layout, optimizer_name, summed)
-    result = {
+    result |= {
         "memory": memory,
         "engine": type(model).__name__,
         "norms": norms,

@@ -74,3 +74,20 @@ def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
             )
         return mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
     return None
+
+
+def data_parallel_representatives(mesh: DeviceMesh | None) -> list[int] | None:
+    """One global rank per data-parallel rank, in data-parallel order: the first of its tensor-parallel
+    group and pipeline (which all read the same batch). None when every process is its own dp rank.
+
+    What a gather over all processes keeps to count each sample once.
+    """
+    if mesh is None or mesh.mesh_dim_names is None:
+        return None
+    extra = [i for i, name in enumerate(mesh.mesh_dim_names) if name in ("pp", "tp")]
+    if not extra:
+        return None
+    ranks = mesh.mesh
+    for dim in sorted(extra, reverse=True):
+        ranks = ranks.select(dim, 0)
+    return ranks.flatten().tolist()
