@@ -11,9 +11,10 @@ and `forward_backward` under each layout, with the same global batch per optimiz
    parameters + gradients + optimizer state (largest rank), next to design.md §3's formula for it.
    The ratio that matters is memory: what each layout saves per rank. On CPU/gloo the communication
    of the sharded layouts dominates step time; their speed is a GPU question (see docs/).
-2. Pipeline bubble (pp=2, 1F1B, the same micro-batch of --bubble-micro-batch sequences): the step time
-   T(m) for m = 1, 2, 4, 8 micro-batches. m = 1 is naive model parallelism, where the stages run one
-   after the other, so one stage's work is t = T(1) / p; the measured bubble is 1 - m t / T(m), the
+2. Pipeline bubble (pp=2, 1F1B, the same micro-batch of --bubble-micro-batch sequences): the time
+   T(m) of the schedule (forward_backward, without the optimizer step; median of 20 steps) for
+   m = 1, 2, 4, 8 micro-batches. m = 1 is naive model parallelism, where the stages run one after
+   the other, so one stage's work is t = T(1) / p; the measured bubble is 1 - m t / T(m), the
    share of the step a rank waits, against the schedule's (p - 1) / (m + p - 1).
 
 The main process prints the tables and writes everything as JSON to --out.
@@ -121,10 +122,12 @@ def run_layout(layout: str, steps: int, batch_per_rank: int | None = None) -> di
     per_rank = batch_per_rank or GLOBAL_BATCH // accelerator.parallelism.dp_size
     tokens = torch.randint(0, VOCAB, (per_rank, BLOCK + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-    times = []
+    times, schedule_times = [], []
     for step in range(steps + 2):
         start = time.perf_counter()
         accelerator.forward_backward(model, x, y, next_token_loss)
+        accelerator.wait_for_everyone()
+        schedule_end = time.perf_counter()
         optimizer.step()
         if step == 0:
             memory = held_bytes(model, optimizer)  # gradients are still there (zero_grad sets None)
@@ -132,7 +135,8 @@ def run_layout(layout: str, steps: int, batch_per_rank: int | None = None) -> di
         accelerator.wait_for_everyone()
         if step >= 2:
             times.append(time.perf_counter() - start)
-    return {"step_s": statistics.median(times), "bytes": memory}
+            schedule_times.append(schedule_end - start)
+    return {"step_s": statistics.median(times), "fb_s": statistics.median(schedule_times), "bytes": memory}
 
 
 def worker(out: Path, steps: int, bubble_micro_batch: int) -> None:
@@ -147,8 +151,8 @@ def worker(out: Path, steps: int, bubble_micro_batch: int) -> None:
     if state.num_processes == 2:
         for m in MICROBATCHES:
             layout = f"pp_size=2,pp_microbatches={m},pp_schedule=1f1b"
-            timing = run_layout(layout, steps, batch_per_rank=m * bubble_micro_batch)
-            results["bubble"].append({"p": 2, "m": m, "step_s": timing["step_s"]})
+            timing = run_layout(layout, max(steps, 20), batch_per_rank=m * bubble_micro_batch)
+            results["bubble"].append({"p": 2, "m": m, "step_s": timing["fb_s"]})
     if state.is_main_process:
         out.write_text(json.dumps(results))
 
