@@ -10,12 +10,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import os
 import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,14 +25,8 @@ from torch.utils.data import DataLoader
 from . import launch_env, ops
 from .checkpoint import (
     ProjectConfiguration,
-    checkpoint_path,
-    list_checkpoints,
-    load_training_state,
-    newest_checkpoint,
-    prune_checkpoints,
-    save_training_state,
 )
-from .checkpoint.weights import consolidated_state_dict, save_consolidated_weights
+from .checkpoint.methods import CheckpointMethods
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
 from .item_count import ItemCount, scale_gradients
 from .kwargs_handlers import (
@@ -51,13 +43,14 @@ from .parallel.apply import (
     replaced_parameters,
     switch_optimizer_parameters,
 )
+from .parallel.auto import plan_for_this_job
+from .parallel.clipping import clip_grad_norm
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.mesh import build_device_mesh, data_parallel_mesh, data_parallel_representatives
 from .parallel.pipeline import PipelineModel
-from .parallel.tensor import tensor_parallel_plan, total_grad_norm
 from .parallel.zero import shard_optimizer_state, skip_gradient_sync
-from .planner import Plan, detect_hardware, plan_parallelism
+from .planner import Plan
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
 
@@ -76,7 +69,7 @@ def _validate_accumulation_steps(value: Any) -> int:
     return value
 
 
-class Accelerator:
+class Accelerator(CheckpointMethods):
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
@@ -150,23 +143,11 @@ class Accelerator:
         self.device_mesh = build_device_mesh(config, self.device.type)
 
     def _plan_layout(self, model: torch.nn.Module) -> None:
-        """parallelism="auto": the planner's layout for `model` on this job's hardware (process 0's verdict).
-
-        Every input is the same on every rank, but the link probe (nvidia-smi) runs per node, so process
-        0's plan is broadcast: all ranks must build the same mesh or they would wait on each other forever.
-        """
-        precision = "fp32" if self.mixed_precision == "no" else "bf16-mixed"
-        hardware = detect_hardware(self.num_processes, self.state.num_local_processes, self.device)
-        # Pipelines need the loop's forward_backward call, which prepare() cannot see: never chosen here.
-        tensor_parallel = _has_tensor_parallel_plan(model)
-        plan = plan_parallelism(
-            model, hardware, precision=precision, pipeline=False, tensor_parallel=tensor_parallel
+        """parallelism="auto": the planner's layout for `model` on this job's hardware."""
+        self.plan = plan_for_this_job(
+            model, self.num_processes, self.state.num_local_processes, self.device, self.mixed_precision
         )
-        if self.num_processes > 1:
-            plan = ops.broadcast_object_list([plan])[0]
-        logger.info("parallelism='auto' chose %s: %s", plan.config.describe(), " ".join(plan.reasons))
-        self.plan = plan
-        self._set_layout(plan.config.validate(self.num_processes))
+        self._set_layout(self.plan.config.validate(self.num_processes))
 
     def _layout_needed(self, action: str) -> ParallelismConfig:
         if self.parallelism is None:
@@ -568,23 +549,11 @@ class Accelerator:
         so every rank clips by the norm of the whole model's gradient, returned as a plain tensor.
         """
         self.unscale_gradients()
-        parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         pipeline = next((m for m in self._models if isinstance(m, PipelineModel)), None)
-        counted = parameters
-        if pipeline is not None:
-            once = {id(p) for p in pipeline.norm_parameters()}
-            counted = [p for p in parameters if id(p) in once]
-        norm = total_grad_norm(counted, norm_type)
-        if pipeline is not None:
-            norm = _combine_norms(norm, norm_type, self.device_mesh["pp"].get_group())
-        # torch's foreach kernels refuse a list mixing DTensors of different meshes or with plain tensors
-        groups: dict[Any, list[torch.Tensor]] = {}
-        for parameter in parameters:
-            key = id(parameter.device_mesh) if isinstance(parameter, DTensor) else None
-            groups.setdefault(key, []).append(parameter)
-        for group in groups.values():
-            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
-        return norm
+        if pipeline is None:
+            return clip_grad_norm(parameters, max_norm, norm_type)
+        once = {id(p) for p in pipeline.norm_parameters()}
+        return clip_grad_norm(parameters, max_norm, norm_type, once, self.device_mesh["pp"].get_group())
 
     def clip_grad_value_(self, parameters, clip_value: float) -> None:
         """Clamp each gradient element to [-clip_value, clip_value]."""
@@ -641,113 +610,9 @@ class Accelerator:
     def send_to_device(self, data: Any, non_blocking: bool = False) -> Any:
         return ops.send_to_device(data, self.device, non_blocking=non_blocking)
 
-    # -- checkpoints -----------------------------------------------------------------------------
-    @property
-    def optimizer_steps(self) -> int:
-        """Real optimizer steps taken so far (micro-steps and fp16-skipped steps not counted)."""
-        return max((optimizer.num_steps_taken for optimizer in self._optimizers), default=0)
-
-    def register_for_checkpointing(self, *objects: Any) -> None:
-        """Include `objects` (anything with state_dict/load_state_dict) in save_state/load_state."""
-        for obj in objects:
-            if not all(callable(getattr(obj, name, None)) for name in ("state_dict", "load_state_dict")):
-                raise TypeError(
-                    f"register_for_checkpointing got a {type(obj).__qualname__}, which has no state_dict() "
-                    "and load_state_dict(): checkpoints save objects through those two methods. Add them, "
-                    "or keep the object out of the checkpoint."
-                )
-        self._custom_objects.extend(objects)
-
-    def _checkpoints_dir(self, action: str) -> Path:
-        if self.project_configuration.project_dir is None:
-            raise ValueError(
-                f"{action}() was given no directory and this Accelerator has no project directory: pass one, "
-                "e.g. accelerator.save_state('ckpt/'), or create the Accelerator with "
-                "project_config=ProjectConfiguration(project_dir='runs/x') so checkpoints go to "
-                "runs/x/checkpoints/checkpoint_<step>."
-            )
-        return self.project_configuration.checkpoints_dir
-
-    def save_state(self, output_dir: str | os.PathLike | None = None) -> Path:
-        """Save the whole training state (call on every process, at the end of an optimizer step).
-
-        Without output_dir it goes to project_dir/checkpoints/checkpoint_<optimizer steps>, and the
-        oldest checkpoints beyond ProjectConfiguration.total_limit are removed.
-        """
-        automatic = output_dir is None
-        if automatic:
-            output_dir = checkpoint_path(self._checkpoints_dir("save_state"), self.optimizer_steps)
-        directory = save_training_state(self, Path(output_dir))
-        if automatic and self.project_configuration.total_limit is not None:
-            prune_checkpoints(directory.parent, self.project_configuration.total_limit)
-        return directory
-
-    def load_state(
-        self, input_dir: str | os.PathLike | None = None, *, missing_ok: bool = False
-    ) -> Path | None:
-        """Restore the training state saved by save_state; prepared loaders continue mid-epoch.
-
-        Without input_dir the newest complete checkpoint under project_dir/checkpoints is loaded. If
-        there is none, missing_ok=True returns None (start fresh); otherwise FileNotFoundError.
-        """
-        if input_dir is None:
-            checkpoints = self._checkpoints_dir("load_state")
-            input_dir = newest_checkpoint(checkpoints)
-            if input_dir is None:
-                if missing_ok:
-                    return None
-                raise FileNotFoundError(
-                    f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
-                    "first, or pass missing_ok=True to start fresh when there is nothing to resume."
-                )
-        directory = Path(input_dir)
-        if not directory.exists() and missing_ok:
-            return None
-        load_training_state(self, directory)
-        return directory
-
-    def checkpoints(self) -> list[Path]:
-        """The complete checkpoints under project_dir/checkpoints, oldest first."""
-        return list_checkpoints(self._checkpoints_dir("checkpoints"))
-
-    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
-        """The consolidated, unsharded state dict of `model` with the user's keys, from any layout.
-
-        Collective under sharded layouts: call it on every process. The main process receives the
-        full tensors on CPU; the others get an empty dict (Accelerate's behaviour for FSDP).
-        """
-        del unwrap  # the keys are always the unwrapped model's (Accelerate's default)
-        return consolidated_state_dict(model)
-
-    def save_model(
-        self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True
-    ) -> Path:
-        """Consolidated weights of `model` from any layout, loadable without unison (model.safetensors
-        by default). Collective: call it on every process; the main process writes the file."""
-        return save_consolidated_weights(model, Path(save_directory), safe_serialization)
-
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""
         self.wait_for_everyone()
-
-
-def _has_tensor_parallel_plan(model: torch.nn.Module) -> bool:
-    """Whether a built-in tensor-parallel plan recognises `model` (the planner may then choose TP)."""
-    try:
-        tensor_parallel_plan(model)
-    except ValueError:
-        return False
-    return True
-
-
-def _combine_norms(norm: torch.Tensor, norm_type: float, group) -> torch.Tensor:
-    """The norm of the concatenation of the pieces whose norms the ranks of `group` hold."""
-    if math.isinf(norm_type):
-        torch.distributed.all_reduce(norm, op=torch.distributed.ReduceOp.MAX, group=group)
-        return norm
-    powered = norm**norm_type
-    torch.distributed.all_reduce(powered, group=group)
-    return powered ** (1.0 / norm_type)
 
 
 def _rows_of(tensor: torch.Tensor, ranks: list[int], num_processes: int) -> torch.Tensor:

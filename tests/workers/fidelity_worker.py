@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from tiny_gpt import make_tiny_gpt
+from tiny_gpt import make_optimizer, make_tiny_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, set_seed
@@ -40,12 +40,6 @@ IGNORE = -100  # label of padding positions (cross_entropy's ignore_index)
 
 def make_model() -> torch.nn.Module:
     return make_tiny_gpt(SEED, BLOCK)
-
-
-def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 def make_dataset(padded: bool) -> TensorDataset:
@@ -74,7 +68,7 @@ def train(run: str, optimizer_name: str, use_items: bool) -> dict:
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=GLOBAL_MICRO_BATCHES // num_processes)
     set_seed(SEED)
     model = make_model()
-    optimizer = make_optimizer(optimizer_name, model)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
     loader = DataLoader(make_dataset(padded=use_items), batch_size=MICRO_BATCH, shuffle=True)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
 
@@ -115,7 +109,7 @@ def reference_items(
     """
     _, inputs, targets = make_dataset(padded=True).tensors
     model = make_model()
-    optimizer = make_optimizer("sgd", model)
+    optimizer = make_optimizer("sgd", model.parameters())
     grad_norms = []
     for ids in step_ids:
         chunks = torch.tensor(ids).split(micro_batch)

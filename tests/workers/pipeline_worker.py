@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from tiny_gpt import gpt_model, make_tiny_gpt
+from tiny_gpt import gpt_model, make_optimizer, make_tiny_gpt
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
@@ -42,12 +42,6 @@ def make_model(n_layer: int) -> torch.nn.Module:
     torch.manual_seed(SEED)
     config = gpt_model.GPTConfig(block_size=BLOCK, vocab_size=32, n_layer=n_layer, n_head=2, n_embd=32)
     return gpt_model.GPT(config)
-
-
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
 def loss_fn(output, target: torch.Tensor) -> torch.Tensor:

@@ -25,8 +25,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tiny_gpt import gpt_model, make_tiny_gpt
-from torch.distributed.tensor import DTensor
+from tiny_gpt import gpt_model, local_bytes, make_optimizer, make_tiny_gpt, unique_params
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState
@@ -43,12 +42,6 @@ RUNS = {  # name: (optimizer, accumulation steps, summed token loss with num_ite
     "adamw": ("adamw", 1, False),
     "items_acc2": ("sgd", 2, True),
 }
-
-
-def make_optimizer(name: str, model: torch.nn.Module) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.01)
 
 
 def make_dataset(padded: bool) -> TensorDataset:
@@ -99,7 +92,7 @@ def make_model(layout: str) -> torch.nn.Module:
 def reference(layout: str, optimizer_name: str, summed: bool) -> dict[str, torch.Tensor]:
     """One process, plain torch: each step's GLOBAL_BATCH samples in one batch, the mean over its tokens."""
     model = make_model(layout)
-    optimizer = make_optimizer(optimizer_name, model)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
     inputs, targets = make_dataset(padded=summed).tensors
     norms = []
     for step in range(STEPS):
@@ -111,18 +104,6 @@ def reference(layout: str, optimizer_name: str, summed: bool) -> dict[str, torch
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict(), norms
-
-
-def local_bytes(tensor: torch.Tensor | None) -> int:
-    if tensor is None:
-        return 0
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
-
-
-def unique_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return list({id(p): p for p in model.parameters()}.values())
 
 
 def optimizer_state_bytes(optimizer) -> int:
@@ -151,7 +132,7 @@ def evaluation_ids(accelerator: Accelerator) -> dict[str, list[int]]:
 def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> dict:
     accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=accumulation)
     model = make_model(layout)
-    optimizer = make_optimizer(optimizer_name, model)
+    optimizer = make_optimizer(optimizer_name, model.parameters())
     micro_batch = GLOBAL_BATCH // (accelerator.parallelism.dp_size * accumulation)
     loader = DataLoader(make_dataset(padded=summed), batch_size=micro_batch)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)

@@ -31,7 +31,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 import torch.nn.functional as F
-from tiny_gpt import gpt_model, make_tiny_gpt
+from tiny_gpt import gpt_model, local_bytes, make_optimizer, make_tiny_gpt, unique_params
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -169,12 +169,6 @@ def naive_fused_plan() -> dict:
 # Training
 
 
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
-
-
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     generator = torch.Generator().manual_seed(SEED)
     tokens = torch.randint(0, VOCAB, (STEPS, GLOBAL_BATCH, BLOCK + 1), generator=generator)
@@ -195,18 +189,6 @@ def reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
             optimizer.zero_grad()
         _references[key] = {k: v.detach() for k, v in model.state_dict().items()}
     return _references[key]
-
-
-def local_bytes(tensor: torch.Tensor | None) -> int:
-    if tensor is None:
-        return 0
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
-
-
-def unique_params(model: nn.Module) -> list[torch.Tensor]:
-    return list({id(p): p for p in model.parameters()}.values())
 
 
 def memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:

@@ -1,4 +1,5 @@
-"""The tiny GPT of examples/gpt/model.py that several launched workers train, loaded and configured once."""
+"""The tiny GPT of examples/gpt/model.py that several launched workers train, loaded and configured once,
+with the optimizers they train it with and the byte counts they measure."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import torch
+from torch.distributed.tensor import DTensor
 
 _GPT_MODEL = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "model.py"
 _spec = importlib.util.spec_from_file_location("tiny_gpt_model", _GPT_MODEL)
@@ -19,3 +21,24 @@ def make_tiny_gpt(seed: int, block_size: int) -> torch.nn.Module:
     torch.manual_seed(seed)
     config = gpt_model.GPTConfig(block_size=block_size, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
     return gpt_model.GPT(config)
+
+
+def make_optimizer(name: str, params) -> torch.optim.Optimizer:
+    """ "sgd": SGD with momentum (tight comparisons, 1e-5); otherwise AdamW (1e-4, see engine notes)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
+
+
+def local_bytes(tensor: torch.Tensor | None) -> int:
+    """Bytes this process holds of `tensor`: its local shard for a DTensor."""
+    if tensor is None:
+        return 0
+    if isinstance(tensor, DTensor):
+        tensor = tensor.to_local()
+    return tensor.numel() * tensor.element_size()
+
+
+def unique_params(model: torch.nn.Module) -> list[torch.Tensor]:
+    """The model's parameters, a tied weight once."""
+    return list({id(p): p for p in model.parameters()}.values())

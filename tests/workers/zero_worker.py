@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tiny_gpt import make_tiny_gpt
+from tiny_gpt import local_bytes, make_optimizer, make_tiny_gpt, unique_params
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -37,12 +37,6 @@ SEED = 1234
 
 def make_model() -> torch.nn.Module:
     return make_tiny_gpt(SEED, BLOCK)
-
-
-def make_optimizer(name: str, params) -> torch.optim.Optimizer:
-    if name == "sgd":
-        return torch.optim.SGD(params, lr=0.5, momentum=0.9)
-    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.01)
 
 
 def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -61,14 +55,6 @@ def reference(optimizer_name: str) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in model.state_dict().items()}
 
 
-def local_bytes(tensor: torch.Tensor | None) -> int:
-    if tensor is None:
-        return 0
-    if isinstance(tensor, DTensor):
-        tensor = tensor.to_local()
-    return tensor.numel() * tensor.element_size()
-
-
 def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of all tensors in the state this rank holds (ZeRO-1: its inner optimizer's share)."""
     inner = optimizer.optim if hasattr(optimizer, "optim") else optimizer
@@ -78,10 +64,6 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for value in state.values()
         if isinstance(value, torch.Tensor)
     )
-
-
-def unique_params(model: torch.nn.Module) -> list[torch.Tensor]:
-    return list({id(p): p for p in model.parameters()}.values())
 
 
 def sync_was_skipped(model: torch.nn.Module) -> bool:

@@ -1,0 +1,106 @@
+"""The Accelerator's checkpoint methods: save_state, load_state, save_model, get_state_dict and friends.
+
+A mixin, so that accelerator.py stays the façade it is meant to be: these methods read the prepared
+objects the Accelerator keeps (`_models`, `_optimizers`, `_custom_objects`, `project_configuration`)
+and hand the work to training_state.py (the whole training state) and weights.py (consolidated weights).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
+from .training_state import load_training_state, save_training_state
+from .weights import consolidated_state_dict, save_consolidated_weights
+
+
+class CheckpointMethods:
+    """save_state / load_state / checkpoints / get_state_dict / save_model / register_for_checkpointing."""
+
+    @property
+    def optimizer_steps(self) -> int:
+        """Real optimizer steps taken so far (micro-steps and fp16-skipped steps not counted)."""
+        return max((optimizer.num_steps_taken for optimizer in self._optimizers), default=0)
+
+    def register_for_checkpointing(self, *objects: Any) -> None:
+        """Include `objects` (anything with state_dict/load_state_dict) in save_state/load_state."""
+        for obj in objects:
+            if not all(callable(getattr(obj, name, None)) for name in ("state_dict", "load_state_dict")):
+                raise TypeError(
+                    f"register_for_checkpointing got a {type(obj).__qualname__}, which has no state_dict() "
+                    "and load_state_dict(): checkpoints save objects through those two methods. Add them, "
+                    "or keep the object out of the checkpoint."
+                )
+        self._custom_objects.extend(objects)
+
+    def _checkpoints_dir(self, action: str) -> Path:
+        if self.project_configuration.project_dir is None:
+            raise ValueError(
+                f"{action}() was given no directory and this Accelerator has no project directory: pass one, "
+                "e.g. accelerator.save_state('ckpt/'), or create the Accelerator with "
+                "project_config=ProjectConfiguration(project_dir='runs/x') so checkpoints go to "
+                "runs/x/checkpoints/checkpoint_<step>."
+            )
+        return self.project_configuration.checkpoints_dir
+
+    def save_state(self, output_dir: str | os.PathLike | None = None) -> Path:
+        """Save the whole training state (call on every process, at the end of an optimizer step).
+
+        Without output_dir it goes to project_dir/checkpoints/checkpoint_<optimizer steps>, and the
+        oldest checkpoints beyond ProjectConfiguration.total_limit are removed.
+        """
+        automatic = output_dir is None
+        if automatic:
+            output_dir = checkpoint_path(self._checkpoints_dir("save_state"), self.optimizer_steps)
+        directory = save_training_state(self, Path(output_dir))
+        if automatic and self.project_configuration.total_limit is not None:
+            prune_checkpoints(directory.parent, self.project_configuration.total_limit)
+        return directory
+
+    def load_state(
+        self, input_dir: str | os.PathLike | None = None, *, missing_ok: bool = False
+    ) -> Path | None:
+        """Restore the training state saved by save_state; prepared loaders continue mid-epoch.
+
+        Without input_dir the newest complete checkpoint under project_dir/checkpoints is loaded. If
+        there is none, missing_ok=True returns None (start fresh); otherwise FileNotFoundError.
+        """
+        if input_dir is None:
+            checkpoints = self._checkpoints_dir("load_state")
+            input_dir = newest_checkpoint(checkpoints)
+            if input_dir is None:
+                if missing_ok:
+                    return None
+                raise FileNotFoundError(
+                    f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
+                    "first, or pass missing_ok=True to start fresh when there is nothing to resume."
+                )
+        directory = Path(input_dir)
+        if not directory.exists() and missing_ok:
+            return None
+        load_training_state(self, directory)
+        return directory
+
+    def checkpoints(self) -> list[Path]:
+        """The complete checkpoints under project_dir/checkpoints, oldest first."""
+        return list_checkpoints(self._checkpoints_dir("checkpoints"))
+
+    def get_state_dict(self, model: torch.nn.Module, unwrap: bool = True) -> dict[str, torch.Tensor]:
+        """The consolidated, unsharded state dict of `model` with the user's keys, from any layout.
+
+        Collective under sharded layouts: call it on every process. The main process receives the
+        full tensors on CPU; the others get an empty dict (Accelerate's behaviour for FSDP).
+        """
+        del unwrap  # the keys are always the unwrapped model's (Accelerate's default)
+        return consolidated_state_dict(model)
+
+    def save_model(
+        self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True
+    ) -> Path:
+        """Consolidated weights of `model` from any layout, loadable without unison (model.safetensors
+        by default). Collective: call it on every process; the main process writes the file."""
+        return save_consolidated_weights(model, Path(save_directory), safe_serialization)

@@ -1,0 +1,48 @@
+"""parallelism="auto": the planner's layout for a model on the hardware of the running job."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn as nn
+
+from .. import ops
+from ..hardware import detect_hardware
+from ..planner import Plan, plan_parallelism
+from .tensor import tensor_parallel_plan
+
+logger = logging.getLogger("unison")
+
+
+def plan_for_this_job(
+    model: nn.Module,
+    num_processes: int,
+    num_local_processes: int,
+    device: torch.device,
+    mixed_precision: str,
+) -> Plan:
+    """The planner's verdict for `model` here, the same on every rank (process 0's, broadcast).
+
+    Every input is the same on every rank, but the link probe (nvidia-smi) runs per node, so process
+    0's plan is sent to all: the ranks must build the same mesh or they would wait on each other
+    forever. Pipelines are never chosen: they need the loop's forward_backward call, which prepare()
+    cannot see. Tensor parallel only where a built-in plan recognises the model.
+    """
+    precision = "fp32" if mixed_precision == "no" else "bf16-mixed"
+    hardware = detect_hardware(num_processes, num_local_processes, device)
+    plan = plan_parallelism(
+        model, hardware, precision=precision, pipeline=False, tensor_parallel=_has_tensor_parallel_plan(model)
+    )
+    if num_processes > 1:
+        plan = ops.broadcast_object_list([plan])[0]
+    logger.info("parallelism='auto' chose %s: %s", plan.config.describe(), " ".join(plan.reasons))
+    return plan
+
+
+def _has_tensor_parallel_plan(model: nn.Module) -> bool:
+    try:
+        tensor_parallel_plan(model)
+    except ValueError:
+        return False
+    return True
