@@ -1,5 +1,5 @@
 """Checkpoints through the Accelerator move between layouts: saved under ZeRO-3 (and a pipeline) on 2
-processes, loaded on 1 process, under ZeRO-3 on 4, tensor parallel 2, a pipeline and DDP.
+processes, loaded on 1 process, under ZeRO-3 and HSDP on 4, tensor parallel 2, a pipeline and DDP.
 
 tests/workers/layout_checkpoint_worker.py trains a tiny GPT 2 steps, calls save_state and save_model,
 then trains a third step; each load restores the checkpoint under another layout and trains the same
@@ -40,6 +40,7 @@ def saved(tmp_path_factory):
         ("zero3", 2, "zero3"),  # the same layout: bit-exact
         ("zero3", 1, "ddp"),  # one process
         ("zero3", 4, "zero3"),  # resharded over 4
+        ("zero3", 4, "dp_replicate_size=2,dp_shard_size=2"),  # HSDP
         ("zero3", 2, "tp_size=2"),
         ("zero3", 2, "pp_size=2"),
         ("zero3", 2, "ddp"),
