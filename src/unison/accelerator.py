@@ -480,10 +480,7 @@ class Accelerator(CheckpointMethods):
                 loss = model.step(inputs, target, loss_fn, divide_by=divide_by)
             self._end_backward(counted)
             return loss if counted is None else loss * model.microbatches
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        output = model(*args)
-        with self._loss_parallel():
-            loss = loss_fn(output, target)
+        loss = self._forward_and_loss(model, inputs, target, loss_fn)
         self.backward(loss, num_items=num_items)
         loss = loss.detach()
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
@@ -504,11 +501,14 @@ class Accelerator(CheckpointMethods):
         if isinstance(model, PipelineModel):
             with self._loss_parallel():
                 return model.evaluate(inputs, target, loss_fn)
-        args = inputs if isinstance(inputs, tuple) else (inputs,)
-        output = model(*args)
-        with self._loss_parallel():
-            loss = loss_fn(output, target)
+        loss = self._forward_and_loss(model, inputs, target, loss_fn)
         return loss.full_tensor() if isinstance(loss, DTensor) else loss
+
+    def _forward_and_loss(self, model, inputs, target, loss_fn) -> torch.Tensor:
+        """`loss_fn(model(*inputs), target)`, the loss inside loss_parallel() when the layout uses it."""
+        output = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
+        with self._loss_parallel():
+            return loss_fn(output, target)
 
     def _loss_parallel(self) -> contextlib.AbstractContextManager:
         """torch's loss_parallel() when the layout computes the loss on vocabulary-sharded logits."""

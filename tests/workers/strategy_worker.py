@@ -25,7 +25,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from tiny_gpt import gpt_model, local_bytes, make_optimizer, make_tiny_gpt, unique_params
+from tiny_gpt import (
+    gpt_model,
+    local_bytes,
+    make_optimizer,
+    make_tiny_gpt,
+    optimizer_state_bytes,
+    unique_params,
+)
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState
@@ -104,18 +111,6 @@ def reference(layout: str, optimizer_name: str, summed: bool) -> dict[str, torch
         optimizer.step()
         optimizer.zero_grad()
     return model.state_dict(), norms
-
-
-def optimizer_state_bytes(optimizer) -> int:
-    """Bytes of the optimizer state this rank holds (ZeroRedundancyOptimizer: its local share)."""
-    inner = optimizer.optimizer
-    inner = getattr(inner, "optim", inner)
-    return sum(
-        local_bytes(value)
-        for state in inner.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor) and value.dim() > 0
-    )
 
 
 def evaluation_ids(accelerator: Accelerator) -> dict[str, list[int]]:

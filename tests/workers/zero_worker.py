@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tiny_gpt import local_bytes, make_optimizer, make_tiny_gpt, unique_params
+from tiny_gpt import local_bytes, make_optimizer, make_tiny_gpt, optimizer_state_bytes, unique_params
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
@@ -53,17 +53,6 @@ def reference(optimizer_name: str) -> dict[str, torch.Tensor]:
         optimizer.step()
         optimizer.zero_grad()
     return {k: v.detach() for k, v in model.state_dict().items()}
-
-
-def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
-    """Bytes of all tensors in the state this rank holds (ZeRO-1: its inner optimizer's share)."""
-    inner = optimizer.optim if hasattr(optimizer, "optim") else optimizer
-    return sum(
-        local_bytes(value)
-        for state in inner.state.values()
-        for value in state.values()
-        if isinstance(value, torch.Tensor)
-    )
 
 
 def sync_was_skipped(model: torch.nn.Module) -> bool:

@@ -33,6 +33,8 @@ def clip_grad_norm(
     pipeline_group: the ranks whose stages' norms make up the whole model's (None: this rank's alone).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+    if pipeline_group is None and not any(isinstance(p, DTensor) for p in parameters):
+        return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)  # whole, plain gradients
     counted = parameters if counted_once is None else [p for p in parameters if id(p) in counted_once]
     norm = total_grad_norm(counted, norm_type)
     if pipeline_group is not None:

@@ -547,14 +547,12 @@ def total_grad_norm(parameters: Iterable[torch.Tensor], norm_type: float = 2.0) 
             mesh = param.grad.device_mesh if isinstance(param.grad, DTensor) else None
             groups.setdefault(mesh, []).append(param.grad)
     norms = []
-    for grads in groups.values():
-        norm = torch.linalg.vector_norm(
-            torch.stack([torch.linalg.vector_norm(g, norm_type) for g in grads]), norm_type
-        )
+    for grads in groups.values():  # torch's foreach norm: one kernel per group, not one per gradient
+        norm = torch.nn.utils.get_total_norm(grads, norm_type)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
     if not norms:
         return torch.tensor(0.0)
-    return torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    return torch.nn.utils.get_total_norm(norms, norm_type)
 
 
 def apply_tensor_parallel(
