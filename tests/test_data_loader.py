@@ -245,6 +245,24 @@ def test_shuffles_agree_across_ranks_and_differ_across_epochs(records):
     assert all(rows == first_epoch[0] for rows in first_epoch)
 
 
+def test_user_generator_seed_agreed_from_process_0(records):
+    """Ranks whose generators were seeded differently shuffle with process 0's 64-bit seed (one int64
+    broadcast, no pickling), so their shards still partition one permutation."""
+    for rec in records:
+        assert rec["user_seeded"]["seed"] == [2**64 - 5]
+    sampler = SeedableRandomSampler(range(SIZE), seed=2**64 - 5)
+    sampler.set_epoch(0)
+    order = list(sampler)
+    batches = [order[i : i + 4] for i in range(0, SIZE, 4)]
+    for rec in records:
+        world = rec["world"]
+        expected = batches[rec["rank"] :: world]
+        padded = -(-len(batches) // world) * world - len(batches)  # the last round topped up from the start
+        got = rec["user_seeded"]["batches"]
+        assert [batch[: len(want)] for batch, want in zip(got, expected)] == expected  # short ones topped up
+        assert len(expected) <= len(got) <= len(expected) + padded
+
+
 def test_split_and_uneven_batches(records):
     for rec in records:
         check_pass(rec["split"], "split_batches with a worker process", rec["rank"])

@@ -1,6 +1,6 @@
 """Seeding, and capturing / restoring every random number generator a training run draws from.
 
-`set_seed` seeds Python's `random`, NumPy's global generator (when NumPy is installed) and torch on
+`set_seed` seeds Python's `random`, NumPy's global generator and torch on
 every device (`torch.manual_seed` seeds the CPU and all CUDA devices). `get_rng_state` /
 `set_rng_state` let a checkpoint resume with exactly the random stream it stopped at; the captured
 state holds only tensors, lists and plain numbers, so it loads with `torch.load(weights_only=True)`.
@@ -13,14 +13,11 @@ import os
 import random
 from typing import Any
 
+import numpy as np
 import torch
 
 from .environment import detect_layout
 
-try:
-    import numpy as np
-except ImportError:  # NumPy is optional: seed and capture it only where it is installed
-    np = None
 
 logger = logging.getLogger("unison")
 
@@ -47,8 +44,7 @@ def set_seed(seed: int, device_specific: bool = False, deterministic: bool = Fal
         )
     seed += offset
     random.seed(seed)
-    if np is not None:
-        np.random.seed(seed)
+    np.random.seed(seed)
     torch.manual_seed(seed)
     if deterministic:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -62,10 +58,9 @@ def get_rng_state() -> dict[str, Any]:
     create a CUDA context just to save a checkpoint.
     """
     states: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if np is not None:
-        numpy_state = np.random.get_state(legacy=False)
-        numpy_state["state"] = {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}
-        states["numpy"] = numpy_state
+    numpy_state = np.random.get_state(legacy=False)
+    numpy_state["state"] = {**numpy_state["state"], "key": numpy_state["state"]["key"].tolist()}
+    states["numpy"] = numpy_state
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         states["cuda"] = torch.cuda.get_rng_state_all()
     return states
@@ -82,7 +77,7 @@ def set_rng_state(states: dict[str, Any]) -> None:
     if "python" in states:
         version, internal, gauss_next = states["python"]
         random.setstate((version, tuple(internal), gauss_next))
-    if "numpy" in states and np is not None:
+    if "numpy" in states:
         numpy_state = states["numpy"]
         key = np.asarray(numpy_state["state"]["key"], dtype=np.uint32)
         np.random.set_state({**numpy_state, "state": {**numpy_state["state"], "key": key}})

@@ -124,6 +124,18 @@ record = run_epoch(loader)
 record["reference"] = reference_batches(permutation(5), BS)
 out["set_epoch"] = record
 
+# -- a user generator seeded differently on each rank (rank 0: above 2**63): process 0's seed wins ------
+user_seed = 2**64 - 5 if rank == 0 else 7 + rank
+seeded = DataLoader(Squares(), batch_size=BS, shuffle=True, generator=torch.Generator().manual_seed(user_seed))
+out["user_seeded"] = {
+    "seed": [
+        found.seed
+        for found in (prepare_data_loader(seeded).batch_sampler.batch_sampler.sampler,)
+        if isinstance(found, SeedableRandomSampler)
+    ],
+    "batches": [b.tolist() for b in prepare_data_loader(seeded)],
+}
+
 # -- split_batches and even_batches=False, with worker processes -------------------------------------
 if BS * 3 % world == 0:
     split = prepare_data_loader(DataLoader(Squares(), batch_size=BS * 3, num_workers=1), split_batches=True)

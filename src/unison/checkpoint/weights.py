@@ -7,6 +7,7 @@ DDP, FSDP2/ZeRO, tensor parallel, pipeline stages that each hold some of the key
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -44,17 +45,26 @@ def write_weights(
         path = directory / TORCH_FILE
         torch.save(state_dict, path)
         return path
+    path = directory / SAFETENSORS_FILE
+    safetensors_save_model()(_StateDictHolder(state_dict), str(path))
+    return path
+
+
+def safetensors_save_model() -> Callable[..., None]:
+    """safetensors' save_model, imported on first use: safetensors is an optional extra of unison.
+
+    Collective savers call this on every process before any work, so a missing package fails the
+    same way everywhere instead of on the writing process after the others have moved on.
+    """
     try:
         from safetensors.torch import save_model
     except ImportError:
         raise ImportError(
             "save_model writes safetensors files, but the safetensors package is not installed: "
-            "`pip install safetensors` (or `pip install unison[safetensors]`), or pass "
+            "`pip install 'unison[safetensors]'` (or `pip install safetensors`), or pass "
             "safe_serialization=False for a torch.save file."
         ) from None
-    path = directory / SAFETENSORS_FILE
-    save_model(_StateDictHolder(state_dict), str(path))
-    return path
+    return save_model
 
 
 class _StateDictHolder(torch.nn.Module):
@@ -144,6 +154,8 @@ def save_consolidated_weights(
     The file holds exactly what one process would write for the same weights with `save_model_weights`
     (same names, tied weights once, same metadata). Returns the file's path on every process.
     """
+    if safe_serialization:
+        safetensors_save_model()  # a missing package fails here, on every process, before gathering
     state = consolidated_state_dict(model)
     path = directory / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
     partial = PartialState()

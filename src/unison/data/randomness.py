@@ -68,7 +68,19 @@ def shuffle_seed(sampler: RandomSampler, data_seed: int | None = None) -> int:
         seed = sampler.generator.initial_seed()
     else:
         seed = torch.initial_seed()
-    return ops.broadcast_object_list([seed], from_process=0)[0]
+    return broadcast_seed(seed)
+
+
+def broadcast_seed(seed: int) -> int:
+    """Process 0's 64-bit `seed` on every process, sent as one int64 tensor (no pickling).
+
+    Generator seeds range over [0, 2**64); an int64 carries them in two's complement.
+    """
+    if PartialState().num_processes == 1:
+        return seed
+    signed = seed - 2**64 if seed >= 2**63 else seed
+    agreed = int(ops.broadcast(torch.tensor([signed], dtype=torch.int64), from_process=0).item())
+    return agreed % 2**64
 
 
 def with_seedable_sampler(sampler: Any, data_seed: int | None = None) -> Any:
