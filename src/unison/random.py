@@ -18,7 +18,6 @@ import torch
 
 from .environment import detect_layout
 
-
 logger = logging.getLogger("unison")
 
 SEED_LIMIT = 2**32  # NumPy's global generator accepts seeds in [0, 2**32)

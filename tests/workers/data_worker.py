@@ -126,7 +126,9 @@ out["set_epoch"] = record
 
 # -- a user generator seeded differently on each rank (rank 0: above 2**63): process 0's seed wins ------
 user_seed = 2**64 - 5 if rank == 0 else 7 + rank
-seeded = DataLoader(Squares(), batch_size=BS, shuffle=True, generator=torch.Generator().manual_seed(user_seed))
+seeded = DataLoader(
+    Squares(), batch_size=BS, shuffle=True, generator=torch.Generator().manual_seed(user_seed)
+)
 out["user_seeded"] = {
     "seed": [
         found.seed
