@@ -1,0 +1,43 @@
+#!/usr/bin/env bash
+# Prove that `pip install unison` alone is enough: a fresh virtual environment gets torch (as
+# install.sh takes it) and this checkout with NO extras, then imports unison, runs the CLI and trains
+# the GPT example on 2 processes for a few steps. The test suite's environment always has numpy,
+# pytest and safetensors, so it cannot see an undeclared dependency; this can. Fails on any error.
+#   bash scripts/check_fresh_env.sh      (scripts/test.sh runs it before the suite)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+checkout="$(pwd)"
+PY="${PYTHON:-python3}"
+started=$SECONDS
+
+workdir="$(mktemp -d -t unison-fresh-env-XXXXXX)"
+trap 'rm -rf "$workdir"' EXIT
+"$PY" -m venv "$workdir/venv"
+venv_python="$workdir/venv/bin/python"
+
+echo "[fresh env] installing torch and unison (no extras) into $workdir/venv"
+"$venv_python" -m pip install --quiet --disable-pip-version-check "torch==2.13.0" 2>&1 \
+  | grep -v "^WARNING: Location" || true
+# A wheel build, not an editable install: what a user's `pip install unison` gets, package data included.
+"$venv_python" -m pip install --quiet --disable-pip-version-check "$checkout" 2>&1 \
+  | grep -v "^WARNING: Location" || true
+
+# Run outside the checkout, so nothing is imported from its source tree by accident.
+cd "$workdir"
+"$venv_python" - <<'PYCODE'
+import importlib.util
+import unison
+for extra in ("pytest", "safetensors"):  # test-only packages must not have come along
+    assert importlib.util.find_spec(extra) is None, f"{extra} is installed: the fresh env is not bare"
+print(f"[fresh env] import unison {unison.__version__} from {unison.__file__}")
+PYCODE
+"$workdir/venv/bin/unison" --help > /dev/null
+"$workdir/venv/bin/unison" launch --help > /dev/null
+echo "[fresh env] unison --help: ok"
+"$workdir/venv/bin/unison" launch --nproc-per-node 2 --cpu "$checkout/examples/gpt/train.py" \
+  --max-steps 5 --log-interval 1 --eval-interval 5 --eval-batches 1 --sample-chars 20 \
+  --save-every 5 --project-dir "$workdir/run" > "$workdir/example.log" 2>&1 \
+  || { cat "$workdir/example.log"; echo "[fresh env] FAILED: the GPT example on 2 processes"; exit 1; }
+grep -Eq "step +5/5 \| val loss" "$workdir/example.log" \
+  || { cat "$workdir/example.log"; echo "[fresh env] FAILED: the example did not reach step 5"; exit 1; }
+echo "[fresh env] GPT example, 2 processes, 5 steps: ok ($((SECONDS - started)) s in all)"
