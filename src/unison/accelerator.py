@@ -18,8 +18,6 @@ from typing import Any
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils.data import DataLoader
 
 from . import launch_env, ops
@@ -46,10 +44,10 @@ from .parallel.apply import (
 from .parallel.auto import plan_for_this_job
 from .parallel.clipping import clip_grad_norm
 from .parallel.config import ParallelismConfig, is_auto
-from .parallel.ddp import check_data_parallel_devices, unwrap
+from .parallel.ddp import check_data_parallel_devices, skip_gradient_sync, unwrap
+from .parallel.engines import is_dtensor
 from .parallel.mesh import build_device_mesh, data_parallel_mesh, data_parallel_representatives
 from .parallel.pipeline import PipelineModel
-from .parallel.zero import shard_optimizer_state, skip_gradient_sync
 from .planner import Plan
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
@@ -333,6 +331,8 @@ class Accelerator(CheckpointMethods):
         switch_optimizer_parameters(optimizer, self._replaced_parameters)
         layout = self._layout_needed("prepare_optimizer()")
         if layout.zero_stage == 1 and data_parallel_engine(layout) == "ddp":
+            from .parallel.zero import shard_optimizer_state  # FSDP2's import cost only where used
+
             optimizer = shard_optimizer_state(optimizer, self.device_mesh["dp_shard"])
         prepared = AcceleratedOptimizer(optimizer, scaler=self.precision.scaler)
         self._remember(optimizer, prepared)
@@ -483,7 +483,7 @@ class Accelerator(CheckpointMethods):
         loss = self._forward_and_loss(model, inputs, target, loss_fn)
         self.backward(loss, num_items=num_items)
         loss = loss.detach()
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return loss.full_tensor() if is_dtensor(loss) else loss
 
     @torch.no_grad()
     def forward_loss(
@@ -502,7 +502,7 @@ class Accelerator(CheckpointMethods):
             with self._loss_parallel():
                 return model.evaluate(inputs, target, loss_fn)
         loss = self._forward_and_loss(model, inputs, target, loss_fn)
-        return loss.full_tensor() if isinstance(loss, DTensor) else loss
+        return loss.full_tensor() if is_dtensor(loss) else loss
 
     def _forward_and_loss(self, model, inputs, target, loss_fn) -> torch.Tensor:
         """`loss_fn(model(*inputs), target)`, the loss inside loss_parallel() when the layout uses it."""
@@ -513,6 +513,8 @@ class Accelerator(CheckpointMethods):
     def _loss_parallel(self) -> contextlib.AbstractContextManager:
         """torch's loss_parallel() when the layout computes the loss on vocabulary-sharded logits."""
         if self.parallelism is not None and self.parallelism.loss_parallel:
+            from torch.distributed.tensor.parallel import loss_parallel  # see parallel/engines.py
+
             return loss_parallel()
         return contextlib.nullcontext()
 

@@ -21,7 +21,8 @@ from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from .parallel.engines import is_dtensor
 
 NumItems = int | float | torch.Tensor
 
@@ -115,7 +116,7 @@ def scale_gradients(parameters: Iterable[torch.nn.Parameter], factor: torch.Tens
     for parameter in parameters:
         grad = parameter.grad
         if grad is not None:
-            if isinstance(grad, DTensor):  # sharded (FSDP2, TP): scale this rank's piece in place
+            if is_dtensor(grad):  # sharded (FSDP2, TP): scale this rank's piece in place
                 grad = grad.to_local()
             by_device.setdefault(grad.device, {})[id(grad)] = grad
     for device, grads in by_device.items():

@@ -39,8 +39,9 @@ from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 from unison import PartialState
+from unison.parallel.ddp import skip_gradient_sync
 from unison.parallel.tensor import apply_tensor_parallel, tensor_parallel_plan, total_grad_norm
-from unison.parallel.zero import apply_zero, skip_gradient_sync
+from unison.parallel.zero import apply_zero
 
 STEPS = 5
 GLOBAL_BATCH = 4

@@ -27,7 +27,8 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from unison import PartialState
-from unison.parallel.zero import apply_zero, full_state_dict, shard_optimizer_state, skip_gradient_sync
+from unison.parallel.ddp import skip_gradient_sync
+from unison.parallel.zero import apply_zero, full_state_dict, shard_optimizer_state
 
 STEPS = 5
 GLOBAL_BATCH = 4

@@ -1,8 +1,7 @@
 """Checkpoints: atomic, verified directories on disk (storage), the training state in them
-(training_state; sharded layouts through DCP in sharded), and consolidated weights for use without
-unison from any layout (weights)."""
+(training_state; sharded layouts through DCP in sharded, imported on first use), and consolidated
+weights for use without unison from any layout (weights)."""
 
-from .sharded import ModelLayout, model_layouts
 from .storage import (
     MANIFEST_NAME,
     CheckpointError,
@@ -31,14 +30,12 @@ __all__ = [
     "SAFETENSORS_FILE",
     "TORCH_FILE",
     "CheckpointError",
-    "ModelLayout",
     "ProjectConfiguration",
     "checkpoint_path",
     "consolidated_state_dict",
     "list_checkpoints",
     "load_object",
     "load_training_state",
-    "model_layouts",
     "newest_checkpoint",
     "prune_checkpoints",
     "save_consolidated_weights",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -22,7 +23,6 @@ import torch
 from .. import ops
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
-from . import sharded
 from .storage import CheckpointError, load_object, save_object, verify_checkpoint, write_checkpoint
 
 if TYPE_CHECKING:
@@ -31,6 +31,14 @@ if TYPE_CHECKING:
 logger = logging.getLogger("unison")
 
 COUNTERS_FILE = "counters.pt"
+
+
+def _sharded() -> ModuleType:
+    """checkpoint.sharded, imported on first use: it loads torch's distributed checkpoint (DCP) and
+    DTensor, about half a second that `import unison` should not cost a run that never saves."""
+    from . import sharded
+
+    return sharded
 
 
 def _replicated_parts(accelerator: Accelerator) -> dict[str, Any]:
@@ -67,7 +75,7 @@ def _model_parts(accelerator: Accelerator) -> tuple[dict[str, tuple[torch.nn.Mod
     models, optimizers = accelerator._models, accelerator._optimizers
     parts: dict[str, tuple[torch.nn.Module, Any]] = {}
     sharded_names: set[str] = set()
-    for i, layout in enumerate(sharded.model_layouts(models, optimizers)):
+    for i, layout in enumerate(_sharded().model_layouts(models, optimizers)):
         names = [f"model_{i}.pt", *(f"optimizer_{j}.pt" for j in layout.optimizers)]
         parts[names[0]] = (models[i], models[i])
         parts.update((f"optimizer_{j}.pt", (models[i], optimizers[j])) for j in layout.optimizers)
@@ -89,9 +97,9 @@ def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
         for name in sorted(sharded_parts):  # collective: the same order on every process
             model, part = model_parts[name]
             if part is model:
-                sharded.save_model_state(model, _part_directory(staging, name))
+                _sharded().save_model_state(model, _part_directory(staging, name))
             else:
-                sharded.save_optimizer_state(model, part, _part_directory(staging, name))
+                _sharded().save_optimizer_state(model, part, _part_directory(staging, name))
         if state.is_main_process:
             for name, part in _replicated_parts(accelerator).items():
                 if name not in sharded_parts:
@@ -140,9 +148,9 @@ def _read_sharded(
         path = _part_directory(directory, name)
         try:
             if part is model:
-                staged[name] = sharded.read_model_state(model, path)
+                staged[name] = _sharded().read_model_state(model, path)
             else:
-                staged[name] = sharded.read_optimizer_state(model, part, path)
+                staged[name] = _sharded().read_optimizer_state(model, part, path)
         except CheckpointError as exc:
             return staged, exc
     return staged, None
@@ -155,15 +163,15 @@ def _apply(
     if name in staged:  # saved sharded: DCP read the pieces this process's layout needs
         model, live = model_parts[name]
         if live is model:
-            sharded.apply_model_state(model, staged[name])
+            _sharded().apply_model_state(model, staged[name])
         else:
-            sharded.apply_optimizer_state(model, live, staged[name])
+            _sharded().apply_optimizer_state(model, live, staged[name])
     elif name in sharded_parts:  # saved whole by a plain or DDP run, loaded into a sharded layout
         model, live = model_parts[name]
         if live is model:
-            sharded.apply_full_model_state(model, loaded[name])
+            _sharded().apply_full_model_state(model, loaded[name])
         else:
-            sharded.apply_full_optimizer_state(model, live, loaded[name])
+            _sharded().apply_full_optimizer_state(model, live, loaded[name])
     else:
         part.load_state_dict(loaded[name])
 
@@ -184,7 +192,7 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
         name
         for name in parts
         if name.startswith(("model_", "optimizer_"))
-        and sharded.is_sharded_part(_part_directory(directory, name))
+        and _sharded().is_sharded_part(_part_directory(directory, name))
     )
     torch_files = [name for name in [*parts, COUNTERS_FILE] if name not in saved_sharded]
     with ThreadPoolExecutor(max_workers=1) as pool:
@@ -196,7 +204,7 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     if error is not None:
         raise CheckpointError(error)
     expected = {name: name for name in torch_files}
-    expected.update((name, f"{name.removesuffix('.pt')}/{sharded.DCP_METADATA}") for name in saved_sharded)
+    expected.update((name, f"{name.removesuffix('.pt')}/{_sharded().DCP_METADATA}") for name in saved_sharded)
     missing = sorted(name for name, file in expected.items() if file not in manifest["files"])
     if missing:
         raise CheckpointError(
@@ -211,9 +219,9 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     for name in sharded_parts.difference(staged):  # whole-model files into a sharded layout: fit first
         model, live = model_parts[name]
         if live is model:
-            sharded.check_full_model_state(model, loaded[name])
+            _sharded().check_full_model_state(model, loaded[name])
         else:
-            sharded.check_full_optimizer_state(live, loaded[name])
+            _sharded().check_full_optimizer_state(live, loaded[name])
     for name, part in parts.items():
         _apply(name, part, model_parts, sharded_parts, staged, loaded)
     counters = loaded[COUNTERS_FILE]

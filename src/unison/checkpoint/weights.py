@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from ..parallel.ddp import unwrap
 from ..state import PartialState
@@ -117,6 +116,9 @@ def consolidated_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> 
     module = unwrap(model)
     if not _distributed():
         return _tie({key: value.detach().cpu() for key, value in module.state_dict().items()}, module)
+    # torch's state-dict helpers load DCP and DTensor (0.5 s): only collective saves need them.
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
     world = dist.get_world_size()
     keys = list(get_model_state_dict(module).keys())
     everyone: list[list[str] | None] = [None] * world

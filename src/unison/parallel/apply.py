@@ -20,16 +20,13 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate
-from torch.distributed.tensor.parallel import loss_parallel
 from torch.utils._pytree import tree_map
 
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
+from .engines import is_dtensor
 from .mesh import data_parallel_mesh
 from .pipeline import build_pipeline, split_model
-from .tensor import apply_tensor_parallel
-from .zero import apply_zero
 
 logger = logging.getLogger("unison")
 
@@ -99,6 +96,8 @@ def _parallelize_part(
     if (config.tp_size or 1) > 1:
         # A user's plan already says which styles it wants; the two flags choose the built-in plan's.
         builtin = config.tp_plan is None
+        from .tensor import apply_tensor_parallel  # DTensor loads only for layouts that use it
+
         apply_tensor_parallel(
             model,
             mesh["tp"],
@@ -113,6 +112,8 @@ def _parallelize_part(
         return wrap_data_parallel(model)
     if engine == "ddp":
         return wrap_ddp(model, device, {**ddp_kwargs, "process_group": _dp_group(mesh)})
+    from .zero import apply_zero  # FSDP2 loads only for layouts that use it (see engines.py)
+
     return apply_zero(model, fsdp_stage(config), mesh=_fsdp_mesh(mesh), blocks=config.zero_blocks)
 
 
@@ -170,6 +171,9 @@ def attach_loss_parallel(model: nn.Module) -> None:
     vocabulary-sharded logits works without gathering them; replicated DTensor outputs (the loss) are
     handed back as plain tensors, so the loop logs and reduces them as usual. Its backward must run in
     `loss_parallel()` too (Accelerator.backward does that)."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import loss_parallel
+
     active: list[contextlib.AbstractContextManager] = []
 
     def enter(module: nn.Module, args: Any) -> None:
@@ -179,13 +183,12 @@ def attach_loss_parallel(model: nn.Module) -> None:
 
     def leave(module: nn.Module, args: Any, output: Any) -> Any:
         active.pop().__exit__(None, None, None)
-        return tree_map(_replicated_to_local, output)
+        return tree_map(replicated_to_local, output)
+
+    def replicated_to_local(value: Any) -> Any:
+        if is_dtensor(value) and all(isinstance(p, Replicate) for p in value.placements):
+            return value.to_local()
+        return value
 
     model.register_forward_pre_hook(enter)
     model.register_forward_hook(leave, always_call=True)
-
-
-def _replicated_to_local(value: Any) -> Any:
-    if isinstance(value, DTensor) and all(isinstance(p, Replicate) for p in value.placements):
-        return value.to_local()
-    return value

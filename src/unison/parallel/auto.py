@@ -10,7 +10,6 @@ import torch.nn as nn
 from .. import ops
 from ..hardware import detect_hardware
 from ..planner import Plan, plan_parallelism
-from .tensor import tensor_parallel_plan
 
 logger = logging.getLogger("unison")
 
@@ -41,6 +40,8 @@ def plan_for_this_job(
 
 
 def _has_tensor_parallel_plan(model: nn.Module) -> bool:
+    from .tensor import tensor_parallel_plan  # loads DTensor: only when planning, not at import
+
     try:
         tensor_parallel_plan(model)
     except ValueError:

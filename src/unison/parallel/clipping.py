@@ -14,9 +14,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
-from .tensor import total_grad_norm
+from .engines import is_dtensor
 
 
 def clip_grad_norm(
@@ -33,8 +32,10 @@ def clip_grad_norm(
     pipeline_group: the ranks whose stages' norms make up the whole model's (None: this rank's alone).
     """
     parameters = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if pipeline_group is None and not any(isinstance(p, DTensor) for p in parameters):
+    if pipeline_group is None and not any(is_dtensor(p) for p in parameters):
         return torch.nn.utils.clip_grad_norm_(parameters, max_norm, norm_type)  # whole, plain gradients
+    from .tensor import total_grad_norm  # DTensor-aware: loaded by the layouts that get here
+
     counted = parameters if counted_once is None else [p for p in parameters if id(p) in counted_once]
     norm = total_grad_norm(counted, norm_type)
     if pipeline_group is not None:
@@ -42,7 +43,7 @@ def clip_grad_norm(
     # torch's foreach kernels refuse a list mixing DTensors of different meshes or with plain tensors
     groups: dict[Any, list[torch.Tensor]] = {}
     for parameter in parameters:
-        key = id(parameter.device_mesh) if isinstance(parameter, DTensor) else None
+        key = id(parameter.device_mesh) if is_dtensor(parameter) else None
         groups.setdefault(key, []).append(parameter)
     for group in groups.values():
         torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)

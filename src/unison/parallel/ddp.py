@@ -1,12 +1,18 @@
-"""Data parallelism with torch's DistributedDataParallel: bucketed all-reduce overlapped with backward."""
+"""Data parallelism with torch's DistributedDataParallel: bucketed all-reduce overlapped with backward.
+
+Also the one place that knows how each data-parallel engine skips its gradient sync.
+"""
 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
+
+from .engines import is_fsdp_module
 
 
 def wrap_ddp(
@@ -37,11 +43,25 @@ def check_data_parallel_devices(visible_gpus: int) -> None:
         )
 
 
-def skip_gradient_sync(model: torch.nn.Module) -> contextlib.AbstractContextManager:
-    """A context in which backward accumulates local gradients without the all-reduce."""
+@contextlib.contextmanager
+def skip_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
+    """Backward inside accumulates local gradients without communication (non-final micro-steps).
+
+    DDP (and ZeRO-1, which runs under DDP) keeps them local until a backward outside `no_sync`
+    all-reduces; FSDP2 (ZeRO-2/3) keeps unsharded gradients until a synchronised backward
+    reduce-scatters their sum. Anything else has nothing to skip.
+    """
     if isinstance(model, DistributedDataParallel):
-        return model.no_sync()
-    return contextlib.nullcontext()
+        with model.no_sync():
+            yield
+    elif is_fsdp_module(model):
+        model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            model.set_requires_gradient_sync(True)
+    else:
+        yield
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.pipeline_split import _check_schedule, _insert, _StageModule, _Tie, split_model
@@ -237,6 +236,14 @@ def build_pipeline(
     if device is None:
         device = next(iter(inner[0].parameters())).device
     device = torch.device(device)
+    # torch.distributed.pipelining imports torch._dynamo (0.4 s): loaded only by pipeline layouts.
+    from torch.distributed.pipelining import (
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
     pipe_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
     model_ref: list[PipelineModel] = []
 

@@ -15,22 +15,20 @@ parameters too; `shard_optimizer_state` rebuilds one from an existing, not yet s
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.blocks import find_blocks
-from unison.parallel.ddp import skip_gradient_sync as _ddp_skip_gradient_sync
 
 logger = logging.getLogger("unison")
 
@@ -148,24 +146,6 @@ def shard_optimizer_state(
         process_group=mesh.get_group() if mesh is not None else None,
         **defaults,
     )
-
-
-@contextlib.contextmanager
-def skip_gradient_sync(model: nn.Module) -> Iterator[None]:
-    """Backward inside accumulates local gradients without communication (non-final micro-steps).
-
-    FSDP2 keeps unsharded gradients until a synchronised backward reduce-scatters their sum; DDP
-    (ZeRO-1) keeps them local until a backward outside `no_sync` all-reduces.
-    """
-    if isinstance(model, FSDPModule):
-        model.set_requires_gradient_sync(False)
-        try:
-            yield
-        finally:
-            model.set_requires_gradient_sync(True)
-    else:
-        with _ddp_skip_gradient_sync(model):
-            yield
 
 
 def full_state_dict(model: nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
