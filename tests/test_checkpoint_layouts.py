@@ -23,37 +23,39 @@ def max_diff(got: dict, want: dict) -> float:
     return max((got[key] - want[key]).abs().max().item() for key in want)
 
 
+LOADS = [  # (source layout, processes, target layout)
+    ("zero3", 2, "zero3"),  # the same layout: bit-exact
+    ("zero3", 1, "ddp"),  # one process
+    ("zero3", 4, "zero3"),  # resharded over 4
+    ("zero3", 4, "dp_replicate_size=2,dp_shard_size=2"),  # HSDP
+    ("zero3", 2, "tp_size=2"),
+    ("zero3", 2, "pp_size=2"),
+    ("zero3", 2, "ddp"),
+    ("pp_size=2", 1, "ddp"),
+    ("pp_size=2", 2, "zero3"),
+]
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Two checkpoints, written by 2 processes: under ZeRO-3 and as a 2-stage pipeline."""
-    directories = {}
-    for layout in ("zero3", "pp_size=2"):
-        directory = tmp_path_factory.mktemp(layout.replace("=", ""))
-        launch_ok(WORKER, 2, "save", layout, directory)
-        directories[layout] = directory
+    """Two checkpoints, written by 2 processes in one launch: under ZeRO-3 and as a 2-stage pipeline;
+    then every load of LOADS, one launch per number of processes."""
+    directories = {
+        layout: tmp_path_factory.mktemp(layout.replace("=", "")) for layout in ("zero3", "pp_size=2")
+    }
+    launch_ok(WORKER, 2, "save", *[arg for layout, path in directories.items() for arg in (layout, path)])
+    for nproc in sorted({nproc for _, nproc, _ in LOADS}):
+        pairs = [(target, directories[source]) for source, n, target in LOADS if n == nproc]
+        launch_ok(WORKER, nproc, "load", *[arg for pair in pairs for arg in pair])
     return directories
 
 
-@pytest.mark.parametrize(
-    "source, nproc, target",
-    [
-        ("zero3", 2, "zero3"),  # the same layout: bit-exact
-        ("zero3", 1, "ddp"),  # one process
-        ("zero3", 4, "zero3"),  # resharded over 4
-        ("zero3", 4, "dp_replicate_size=2,dp_shard_size=2"),  # HSDP
-        ("zero3", 2, "tp_size=2"),
-        ("zero3", 2, "pp_size=2"),
-        ("zero3", 2, "ddp"),
-        ("pp_size=2", 1, "ddp"),
-        ("pp_size=2", 2, "zero3"),
-    ],
-)
+@pytest.mark.parametrize("source, nproc, target", LOADS)
 def test_a_checkpoint_loads_under_another_layout_and_training_goes_on(saved, source, nproc, target):
     directory = saved[source]
-    launch_ok(WORKER, nproc, "load", target, directory)
-    restored = torch.load(directory / f"restored_{target}.pt")
+    restored = torch.load(directory / f"restored_{nproc}_{target}.pt")
     assert max_diff(restored, torch.load(directory / "at_save.pt")) == 0.0
-    after = torch.load(directory / f"loaded_{target}.pt")
+    after = torch.load(directory / f"loaded_{nproc}_{target}.pt")
     expected = torch.load(directory / "after_step.pt")
     if (source, nproc, target) == ("zero3", 2, "zero3"):
         assert max_diff(after, expected) == 0.0  # bit-exact resume on the same layout

@@ -1,12 +1,14 @@
 """Launched worker: save_state under one layout, load_state under another, through the Accelerator.
 
-    layout_checkpoint_worker.py save LAYOUT DIR    train 2 steps, save_state(DIR/checkpoint), save_model
-                                                   (DIR/weights), train 1 more step; the main process
-                                                   writes the consolidated weights after each to
-                                                   DIR/at_save.pt and DIR/after_step.pt
-    layout_checkpoint_worker.py load LAYOUT DIR    load_state(DIR/checkpoint) under LAYOUT, train the
-                                                   same 1 step; the main process writes DIR/loaded_<LAYOUT>.pt
+    layout_checkpoint_worker.py save LAYOUT DIR [LAYOUT DIR ...]
+        for each pair: train 2 steps under LAYOUT, save_state(DIR/checkpoint), save_model(DIR/weights),
+        train 1 more step; the main process writes the consolidated weights after each to
+        DIR/at_save.pt and DIR/after_step.pt
+    layout_checkpoint_worker.py load LAYOUT DIR [LAYOUT DIR ...]
+        for each pair: load_state(DIR/checkpoint) under LAYOUT, train the same 1 step; the main process
+        writes DIR/restored_<N>_<LAYOUT>.pt and DIR/loaded_<N>_<LAYOUT>.pt (N: the number of processes)
 
+Several pairs share one launch (a launch costs seconds of start-up): each gets its own Accelerator.
 The tiny GPT (examples/gpt/model.py) trains with SGD+momentum (its momentum buffers must survive the
 move between layouts) on fixed batches of 8 sequences, the same global batch in every layout.
 """
@@ -30,8 +32,7 @@ def loss_fn(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch.T
     return F.cross_entropy(output[0].flatten(0, 1), targets.flatten())
 
 
-def main() -> None:
-    mode, layout, directory = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+def run(mode: str, layout: str, directory: Path) -> None:
     accelerator = Accelerator(cpu=True, parallelism=layout)
     model = make_tiny_gpt(1234, BLOCK)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -60,11 +61,18 @@ def main() -> None:
         step(2)
         write("after_step.pt")
     else:
+        suffix = f"{accelerator.num_processes}_{layout}"
         accelerator.load_state(directory / "checkpoint")
-        write(f"restored_{layout}.pt")
+        write(f"restored_{suffix}.pt")
         step(2)
-        write(f"loaded_{layout}.pt")
+        write(f"loaded_{suffix}.pt")
     accelerator.end_training()
+
+
+def main() -> None:
+    mode, pairs = sys.argv[1], sys.argv[2:]
+    for layout, directory in zip(pairs[::2], pairs[1::2], strict=True):
+        run(mode, layout, Path(directory))
 
 
 if __name__ == "__main__":
