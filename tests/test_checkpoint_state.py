@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from safetensors.torch import load_model
@@ -156,3 +158,16 @@ def test_save_model_writes_safetensors_loadable_without_unison(tmp_path):
     load_model(fresh, str(path))
     assert fresh.head.weight is fresh.embed.weight
     assert torch.equal(fresh.embed.weight, accelerator.unwrap_model(model).embed.weight)
+
+
+def test_save_model_without_safetensors_names_the_extra_and_writes_nothing(tmp_path, monkeypatch):
+    """safetensors is an optional extra: without it save_model says how to get it (or to opt out)."""
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(TiedModel())
+    monkeypatch.setitem(sys.modules, "safetensors", None)  # what `import safetensors` meets when absent
+    monkeypatch.setitem(sys.modules, "safetensors.torch", None)
+    with pytest.raises(ImportError, match=r"pip install 'unison\[safetensors\]'.*safe_serialization=False"):
+        accelerator.save_model(model, tmp_path / "export")
+    assert not (tmp_path / "export").exists()
+    path = accelerator.save_model(model, tmp_path / "export", safe_serialization=False)
+    assert path == tmp_path / "export" / "pytorch_model.bin" and path.is_file()
