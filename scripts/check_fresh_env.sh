@@ -30,6 +30,17 @@ import unison
 for extra in ("pytest", "safetensors"):  # test-only packages must not have come along
     assert importlib.util.find_spec(extra) is None, f"{extra} is installed: the fresh env is not bare"
 print(f"[fresh env] import unison {unison.__version__} from {unison.__file__}")
+
+# An optional extra that is missing fails with the command that installs it.
+import torch
+accelerator = unison.Accelerator(cpu=True)
+model = accelerator.prepare(torch.nn.Linear(2, 2))
+try:
+    accelerator.save_model(model, "weights")
+    raise SystemExit("save_model wrote safetensors without the safetensors package")
+except ImportError as error:
+    assert "pip install 'unison[safetensors]'" in str(error), error
+print("[fresh env] save_model without safetensors names the extra: ok")
 PYCODE
 "$workdir/venv/bin/unison" --help > /dev/null
 "$workdir/venv/bin/unison" launch --help > /dev/null
