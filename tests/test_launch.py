@@ -3,10 +3,12 @@
 import argparse
 import json
 import os
-import shutil
+import re
+import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -32,14 +34,36 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
 
 @pytest.mark.parametrize("nproc", [2, 3])
 def test_launch_prefixes_output_and_exports_flags(tmp_path, nproc):
-    result = launch_ok(
-        WORKER,
-        nproc,
-        "report",
-        tmp_path,
-        "--script-flag",
-        launch_args=["--mixed-precision", "bf16", "--gradient-accumulation-steps", "3", "--timeout", "60"],
-    )
+    if nproc == 2:  # as an Accelerate user types it, the worker run as a module (`python -m`)
+        flags = ["--num_processes", "2", "--cpu", "--mixed_precision", "bf16"]
+        flags += [
+            "--gradient_accumulation_steps",
+            "3",
+            "--timeout",
+            "60",
+            "-m",
+            "tests.workers.launch_worker",
+        ]
+        result = run_cli(
+            "launch", *flags, "report", str(tmp_path), "--script-flag", env={"OMP_NUM_THREADS": "1"}
+        )
+        assert result.returncode == 0, describe(result)
+    else:
+        result = launch_ok(
+            WORKER,
+            nproc,
+            "report",
+            tmp_path,
+            "--script-flag",
+            launch_args=[
+                "--mixed-precision",
+                "bf16",
+                "--gradient-accumulation-steps",
+                "3",
+                "--timeout",
+                "60",
+            ],
+        )
     for rank in range(nproc):
         assert f"[rank{rank}]: stdout line from rank {rank}" in result.stdout.splitlines(), describe(result)
         assert f"[rank{rank}]: stderr line from rank {rank}" in result.stderr.splitlines(), describe(result)
@@ -56,18 +80,61 @@ def test_launch_prefixes_output_and_exports_flags(tmp_path, nproc):
     assert "warn" not in result.stderr.lower(), result.stderr
 
 
-def test_crash_on_one_rank_ends_the_launch_quickly():
-    # The group timeout is 300 s: a launch that waited for it would take over five minutes. It ends in
-    # ~5 s on an idle 2-core machine; the bound leaves room for a loaded one.
+def test_crash_on_one_rank_ends_the_launch_quickly_naming_that_rank():
+    """Rank 1 raises; rank 0 waits in a collective, rank 2 in none (the agent SIGTERMs it). The group
+    timeout is 300 s: a launch that waited for it would take over five minutes. It ends in ~5 s on an
+    idle 2-core machine (the bound leaves room for a loaded one), and names rank 1 and its exception,
+    never a rank the agent terminated."""
     start = time.monotonic()
     result = launch(WORKER, 3, "crash", launch_args=["--timeout", "300"], timeout=400)
     elapsed = time.monotonic() - start
-    assert result.returncode != 0, describe(result)
+    assert result.returncode == 1, describe(result)
     assert elapsed < 60, f"the launch took {elapsed:.1f} s\n{describe(result)}"
     assert "[rank1]: [unison] rank 1 failed:" in result.stderr, describe(result)
     assert "[rank1]: RuntimeError: deliberate failure on rank 1" in result.stderr, describe(result)
-    assert "rank 1 (local rank 1" in result.stderr and "failed first" in result.stderr, describe(result)
-    assert "passed the barrier" not in result.stdout
+    summary = result.stderr.strip().splitlines()[-1]
+    assert summary.startswith("unison launch: rank 1 (local rank 1, pid "), describe(result)
+    assert "failed first, with exit code 1: RuntimeError: deliberate failure on rank 1." in summary
+    assert "Ranks [0, 2] were stopped or failed after it." in summary, summary
+    # torch's agent lines about whom it signalled (and its own guess at the first failure) are dropped
+    assert "closing signal" not in result.stderr and "of binary" not in result.stderr, describe(result)
+    assert "passed the all_reduce" not in result.stdout
+
+
+def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
+    """A terminal's Ctrl-C sends SIGINT to the launcher's whole process group: one line, exit 130, and
+    no worker left (torch's agent starts each worker in a session of its own)."""
+    command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", "2", "--cpu", WORKER, "sleep"]
+    process = subprocess.Popen(
+        [*command, str(tmp_path)],  # the path marks this run's processes in /proc
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    ready = [process.stdout.readline() for _ in range(2)]
+    assert sorted(line.split(": ", 1)[1] for line in ready) == ["rank 0 ready\n", "rank 1 ready\n"], ready
+    os.killpg(process.pid, signal.SIGINT)
+    stdout, stderr = process.communicate(timeout=60)
+    assert process.returncode == 130, (stdout, stderr)
+    assert stderr.strip().splitlines() == [
+        "unison launch: stopped by SIGINT; the workers were terminated."
+    ], stderr
+    survivors = [
+        entry.name
+        for entry in Path("/proc").iterdir()
+        if entry.name.isdigit() and str(tmp_path).encode() in _cmdline(entry)
+    ]
+    assert survivors == []
+
+
+def _cmdline(entry: Path) -> bytes:
+    try:
+        return (entry / "cmdline").read_bytes()
+    except OSError:
+        return b""  # ended while we looked
 
 
 def test_max_restarts_reforms_the_group():
@@ -185,7 +252,7 @@ def test_more_processes_than_gpus(monkeypatch):
 )
 def test_torchrun_config(options, expected, tmp_path):
     """The flags become the torch.distributed.run configuration we mean (built by torch's own parser)."""
-    argv = launcher.torchrun_argv(options, int(options.nproc_per_node), str(tmp_path))
+    argv = launcher.torchrun_argv(options, int(options.nproc_per_node or 1), str(tmp_path))
     config, command, command_args = torchrun.config_from_args(torchrun.get_args_parser().parse_args(argv))
     for name, value in expected.items():
         actual = getattr(config, name)
@@ -223,12 +290,11 @@ def test_env_report():
     assert report["backends"]["gloo"] is torch.distributed.is_gloo_available()
     assert report["cuda_available"] is torch.cuda.is_available()
     assert report["environment"]["UNISON_TIMEOUT"] == "77" and report["environment"]["SLURM_JOB_ID"] == "1234"
-    # the console script gives the same report as text
-    console = shutil.which("unison")
-    if console is None:
-        pytest.skip("the unison console script is not installed")
+    # the console script (installed beside this Python, whether or not its venv is activated) as text
+    console = Path(sys.executable).with_name("unison")
+    assert console.is_file(), f"no unison console script beside {sys.executable}: pip install the package"
     text = subprocess.run(
-        [console, "env"], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+        [str(console), "env"], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
     )
     assert text.returncode == 0, describe(text)
     assert f"torch: {torch.__version__}" in text.stdout.splitlines()
@@ -261,3 +327,87 @@ def test_notebook_launcher():
     assert "ValueError: notebook failure on rank 1" in report["failure"]
     assert report["failure_seconds"] < 20  # the barrier's timeout is 60 s
     assert "already created in this process" in report["existing_state"]
+
+
+def _options(*argv: str) -> LaunchOptions:
+    from unison.commands.launch import options_from_args
+    from unison.commands.main import build_parser
+
+    return options_from_args(build_parser().parse_args(["launch", *argv]))
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        # Accelerate's spelling: --num_processes counts the processes of all machines together
+        ["--num_processes", "4", "--num_machines", "2", "--machine_rank", "1"]
+        + ["--main_process_ip", "10.0.0.1", "--main_process_port", "29555"],
+        ["--num-processes", "4", "--num-machines", "2", "--machine-rank", "1"]
+        + ["--main-process-ip", "10.0.0.1", "--main-process-port", "29555"],
+        # torchrun's spelling
+        ["--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1"]
+        + ["--master_addr", "10.0.0.1", "--master_port", "29555"],
+    ],
+    ids=["accelerate", "accelerate-dashes", "torchrun"],
+)
+def test_accelerate_and_torchrun_flags_mean_what_they_mean_there(argv, tmp_path):
+    options = _options(*argv, "--mixed_precision", "bf16", "--gradient_accumulation_steps", "2", WORKER, "-x")
+    nproc = launcher.validate(options)
+    config, _, command_args = torchrun.config_from_args(
+        torchrun.get_args_parser().parse_args(launcher.torchrun_argv(options, nproc, str(tmp_path)))
+    )
+    assert (config.nproc_per_node, config.min_nodes, config.max_nodes) == (2, 2, 2)
+    assert config.rdzv_endpoint == "10.0.0.1:29555" and config.rdzv_configs["rank"] == 1
+    assert (options.mixed_precision, options.gradient_accumulation_steps) == ("bf16", 2)
+    assert command_args == ["-u", WORKER, "-x"]
+
+
+def test_flags_after_the_script_belong_to_the_script():
+    options = _options("--nproc-per-node", "2", WORKER, "--nproc-per-node", "7", "-m", "x")
+    assert options.nproc_per_node == "2" and not options.module
+    assert options.script_args == ("--nproc-per-node", "7", "-m", "x")
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (
+            [
+                "--num_processes",
+                "3",
+                "--num_machines",
+                "2",
+                "--master-addr",
+                "10.0.0.1",
+                "--node-rank",
+                "0",
+                WORKER,
+            ],
+            "--num-processes 3 counts the processes of all 2 node(s) together",
+        ),
+        (
+            ["--num_processes", "4", "--nproc-per-node", "3", WORKER],
+            "means 4 per node, but --nproc-per-node says 3",
+        ),
+        (["-m", "no_such_package.train"], "no module named 'no_such_package' is importable"),
+    ],
+)
+def test_alias_errors_name_the_fix(argv, message):
+    with pytest.raises(LaunchError, match=re.escape(message)):
+        launcher.validate(_options(*argv))
+
+
+@pytest.mark.parametrize(
+    "typo, suggestion",
+    [("--nproc-per-nod", "--nproc-per-node"), ("--mixed-precison", "--mixed-precision"), ("--nprocs", None)],
+)
+def test_unknown_flags_are_refused_with_a_suggestion_never_abbreviated(typo, suggestion, capsys):
+    from unison.commands.main import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["launch", typo, "2", WORKER])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err
+    assert error.startswith("usage: unison launch") and f"unrecognized arguments: {typo}" in error
+    if suggestion:
+        assert f"(did you mean {suggestion}?)" in error, error

@@ -21,9 +21,12 @@ What it adds to a bare torchrun:
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import logging
 import os
+import signal
 import socket
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -64,7 +67,9 @@ class LaunchOptions:
 
     script: str
     script_args: Sequence[str] = ()
-    nproc_per_node: int | str = 1
+    module: bool = False
+    nproc_per_node: int | str | None = None
+    num_processes: int | None = None
     nnodes: str = "1"
     node_rank: int | None = None
     master_addr: str | None = None
@@ -134,11 +139,7 @@ def parse_nnodes(nnodes: str) -> tuple[int, int]:
 
 def validate(options: LaunchOptions) -> int:
     """Check every flag; return the number of processes per node. Raises LaunchError naming the fix."""
-    if not os.path.isfile(options.script):
-        raise LaunchError(
-            f"the script {options.script!r} does not exist (looked in {os.getcwd()}): pass the path of "
-            "a Python file, e.g. `unison launch --nproc-per-node 2 train.py`."
-        )
+    _validate_script(options)
     if options.mixed_precision is not None:
         try:
             validate_mixed_precision(options.mixed_precision)
@@ -160,10 +161,50 @@ def validate(options: LaunchOptions) -> int:
     min_nodes, max_nodes = parse_nnodes(options.nnodes)
     if max_nodes > 1 and not options.rdzv_endpoint:
         _validate_static_multi_node(options, max_nodes, min_nodes)
-    nproc_per_node = resolve_nproc_per_node(options.nproc_per_node, options.cpu)
+    nproc_per_node = resolve_nproc_per_node(_per_node(options, min_nodes, max_nodes), options.cpu)
     if options.parallelism is not None:
         _validate_parallelism(options.parallelism, nproc_per_node, min_nodes, max_nodes)
     return nproc_per_node
+
+
+def _validate_script(options: LaunchOptions) -> None:
+    """The script must exist; with -m, the module's top-level package must be importable from here."""
+    if options.module:
+        top_level = options.script.split(".")[0]
+        sys.path.insert(0, os.getcwd())  # as `python -m` in the workers, which start in this directory
+        try:
+            found = bool(top_level) and importlib.util.find_spec(top_level) is not None
+        finally:
+            sys.path.pop(0)
+        if not found:
+            raise LaunchError(
+                f"-m {options.script}: no module named {top_level!r} is importable from {os.getcwd()} or "
+                "this Python's packages: check the name, install the package, or run from its directory."
+            )
+    elif not os.path.isfile(options.script):
+        raise LaunchError(
+            f"the script {options.script!r} does not exist (looked in {os.getcwd()}): pass the path of "
+            "a Python file, e.g. `unison launch --nproc-per-node 2 train.py`, or `-m package.module`."
+        )
+
+
+def _per_node(options: LaunchOptions, min_nodes: int, max_nodes: int) -> int | str:
+    """--nproc-per-node, or Accelerate's --num-processes (processes in all) divided over the nodes."""
+    if options.num_processes is None:
+        return 1 if options.nproc_per_node is None else options.nproc_per_node
+    total = options.num_processes
+    if total < 1 or min_nodes != max_nodes or total % max_nodes:
+        raise LaunchError(
+            f"--num-processes {total} counts the processes of all {options.nnodes} node(s) together, so it "
+            "must be a positive multiple of a fixed --num-machines/--nnodes. Pass --nproc-per-node "
+            "(processes on each node) instead for an elastic or uneven job."
+        )
+    if options.nproc_per_node is not None and str(options.nproc_per_node) != str(total // max_nodes):
+        raise LaunchError(
+            f"--num-processes {total} over {max_nodes} node(s) means {total // max_nodes} per node, but "
+            f"--nproc-per-node says {options.nproc_per_node}: pass one of the two."
+        )
+    return total // max_nodes
 
 
 def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
@@ -248,6 +289,8 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
         "--tee=3",  # workers' stdout/stderr go through torch's tailer, which adds the rank prefix
         f"--log-dir={log_dir}",
     ]
+    if options.module:
+        argv.append("--module")
     if options.rdzv_endpoint:
         argv += [
             "--rdzv-backend=c10d",
@@ -300,7 +343,7 @@ def launch(options: LaunchOptions) -> int:
             timeout=options.timeout,
             parallelism=options.parallelism,
         )
-        with exported(env):
+        with exported(env), _quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:
                 torchrun.run(torchrun.get_args_parser().parse_args(argv))
@@ -320,9 +363,26 @@ def _failed_at(failure: ProcessFailure) -> float:
     return float(failure.timestamp)
 
 
+def _cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
+    """The rank whose failure caused the others.
+
+    When one worker fails, torch's agent SIGTERMs the rest, and those show up as failures too, with
+    torch's whole-second timestamps that often sort before the real one. So a rank that exited with
+    an error code (it raised; unison recorded the exact time) is the cause before any rank ended by a
+    signal, and SIGTERM (the agent's own) comes last; within a kind, the earliest failure wins.
+    """
+
+    def kind(failure: ProcessFailure) -> int:
+        if failure.exitcode > 0:
+            return 0
+        return 2 if failure.exitcode == -signal.SIGTERM else 1  # SIGKILL (OOM), SIGSEGV, ...: their own
+
+    return min(failures, key=lambda rank: (kind(failures[rank]), _failed_at(failures[rank])))
+
+
 def _report_failure(error: ChildFailedError) -> int:
     """Name the rank that failed first (the cause; its peers usually fail because it went away)."""
-    rank = min(error.failures, key=lambda r: _failed_at(error.failures[r]))
+    rank = _cause_rank(error.failures)
     failure = error.failures[rank]
     others = sorted(r for r in error.failures if r != rank)
     cause = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
@@ -335,6 +395,40 @@ def _report_failure(error: ChildFailedError) -> int:
         failure.exitcode,
         f": {cause}" if cause and not cause.startswith("To enable traceback") else "",
         rank,
-        f" Ranks {others} failed too (usually only because rank {rank} went away)." if others else "",
+        f" Ranks {others} were stopped or failed after it." if others else "",
     )
     return failure.exitcode if 0 < failure.exitcode < 128 else 1
+
+
+class _AgentShutdownChatter(logging.Filter):
+    """Drops the lines of torch's elastic agent that `unison launch` says better itself.
+
+    Which workers it signalled on the way down (two lines per Ctrl-C), and its own guess at the first
+    failure, made from whole-second timestamps (it often names a rank the agent itself terminated).
+    The templates are torch's; tests/test_launch.py fails if they change and the lines come back.
+    """
+
+    TEMPLATES = frozenset(
+        {
+            "Sending process %s closing signal %s",
+            "Received %s death signal, shutting down workers",
+            "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
+        }
+    )
+    LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return record.msg not in self.TEMPLATES
+
+
+@contextlib.contextmanager
+def _quiet_agent_shutdown() -> Iterator[None]:
+    chatter = _AgentShutdownChatter()
+    loggers = [logging.getLogger(name) for name in _AgentShutdownChatter.LOGGERS]
+    for agent_logger in loggers:
+        agent_logger.addFilter(chatter)
+    try:
+        yield
+    finally:
+        for agent_logger in loggers:
+            agent_logger.removeFilter(chatter)

@@ -122,6 +122,8 @@ def _exit_whole_process_on_uncaught_error() -> None:
 
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KeyboardInterrupt):
+            if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reached the launcher, which says so once
+                os._exit(128 + signal.SIGINT)
             previous_hook(exc_type, exc, tb)
         else:
             text = "".join(traceback.format_exception(exc_type, exc, tb))

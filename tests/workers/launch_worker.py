@@ -1,7 +1,8 @@
 """Launched by tests/test_launch.py. Usage: launch_worker.py MODE [OUT_DIR].
 
 report:  form the group, all_reduce, and write what this rank saw (env, state) to OUT_DIR/rank{R}.json.
-crash:   rank 1 raises while the other ranks wait in a barrier.
+crash:   rank 1 raises after a broadcast while rank 0 waits in the next collective and rank 2 in none.
+sleep:   say ready, then sleep until interrupted (Ctrl-C on the launcher).
 restart: rank 1 raises on the first attempt (after the group formed); the second attempt succeeds.
 """
 
@@ -48,11 +49,19 @@ if mode == "report":
     seen["argv"] = sys.argv[1:]
     (Path(sys.argv[2]) / f"rank{rank}.json").write_text(json.dumps(seen))
 elif mode == "crash":
-    if rank == 1:
-        time.sleep(0.5)  # let the others block in the barrier first
-        raise RuntimeError("deliberate failure on rank 1")
-    dist.barrier()
-    print(f"rank {rank} passed the barrier, which must not happen")
+    peers = dist.new_group([0, 1])  # collective: every rank creates it
+    if rank >= 2:
+        time.sleep(60)  # in no collective: torch's agent ends it with SIGTERM once rank 1 has failed
+    else:
+        dist.broadcast(torch.zeros(1), src=0, group=peers)  # ranks 0 and 1 agree once more...
+        if rank == 1:
+            time.sleep(0.5)  # let rank 0 block in the next collective first
+            raise RuntimeError("deliberate failure on rank 1")
+        dist.all_reduce(torch.zeros(1), group=peers)  # ...then go different ways
+        print(f"rank {rank} passed the all_reduce, which must not happen")
+elif mode == "sleep":
+    print(f"rank {rank} ready", flush=True)
+    time.sleep(60)  # until the test interrupts the launcher
 elif mode == "restart":
     if attempt == 0 and rank == 1:
         raise RuntimeError("deliberate failure on the first attempt")

@@ -47,60 +47,76 @@ several nodes, c10d rendezvous (ranks follow the order nodes join; --node-rank i
 )
 
 
+ALIASES_EPILOG = """
+aliases (the same flags as Accelerate users and torchrun users type them; dashes or underscores):
+  --num-processes N       Accelerate: N processes in all, split evenly over --num-machines
+  --num-machines M        = --nnodes M          --machine-rank R      = --node-rank R
+  --main-process-ip HOST  = --master-addr HOST  --main-process-port P = --master-port P
+  -m, --module            run SCRIPT as a module, as `python -m SCRIPT` (torchrun's -m)
+"""
+
+
 def register(subcommands: argparse._SubParsersAction) -> None:
     parser = subcommands.add_parser(
         "launch",
         help="run a script in N processes (one node or several)",
         description=DESCRIPTION,
-        epilog=EPILOG,
+        epilog=EPILOG + ALIASES_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     group = parser.add_argument_group("processes")
     group.add_argument(
-        "--nproc-per-node",
-        "--nproc_per_node",
-        default="1",
+        *_spellings("nproc-per-node"),
+        default=None,
         metavar="N|auto",
         help="processes on this node (default 1). 'auto': one per GPU; without GPUs or with --cpu, one per "
         f"usable CPU core, at most {MAX_AUTO_CPU_PROCESSES}.",
     )
     group.add_argument(
-        "--nnodes", default="1", help="number of nodes, or MIN:MAX with --rdzv-endpoint (default 1)"
+        *_spellings("num-processes"),
+        type=int,
+        default=None,
+        metavar="N",
+        help="processes in all, over every node (Accelerate's flag): N / nodes per node",
     )
     group.add_argument(
-        "--node-rank", "--node_rank", type=int, default=None, help="this node's rank (static rendezvous)"
+        *_spellings("nnodes", "num-machines"),
+        dest="nnodes",
+        default="1",
+        help="number of nodes, or MIN:MAX with --rdzv-endpoint (default 1)",
     )
     group.add_argument(
-        "--master-addr", "--master_addr", default=None, help="address of node 0 (static rendezvous)"
+        *_spellings("node-rank", "machine-rank"),
+        dest="node_rank",
+        type=int,
+        default=None,
+        help="this node's rank (static rendezvous)",
     )
     group.add_argument(
-        "--master-port",
-        "--master_port",
+        *_spellings("master-addr", "main-process-ip"),
+        dest="master_addr",
+        default=None,
+        help="address of node 0 (static rendezvous)",
+    )
+    group.add_argument(
+        *_spellings("master-port", "main-process-port"),
+        dest="master_port",
         type=int,
         default=None,
         help="port on node 0 (default: free port / 29500)",
     )
+    group.add_argument(*_spellings("rdzv-endpoint"), default=None, help="HOST:PORT of a c10d rendezvous")
+    group.add_argument(*_spellings("rdzv-id"), default="unison", help="job id shared by the nodes (c10d)")
+    group.add_argument(*_spellings("rdzv-conf"), default="", help="extra c10d settings, e.g. is_host=1")
+    group.add_argument(*_spellings("local-addr"), default=None, help="this node's address as others reach it")
     group.add_argument(
-        "--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT of a c10d rendezvous"
-    )
-    group.add_argument("--rdzv-id", "--rdzv_id", default="unison", help="job id shared by the nodes (c10d)")
-    group.add_argument("--rdzv-conf", "--rdzv_conf", default="", help="extra c10d settings, e.g. is_host=1")
-    group.add_argument(
-        "--local-addr", "--local_addr", default=None, help="this node's address as others reach it"
-    )
-    group.add_argument(
-        "--max-restarts",
-        "--max_restarts",
-        type=int,
-        default=0,
-        help="restart all workers up to this many times",
+        *_spellings("max-restarts"), type=int, default=0, help="restart all workers up to this many times"
     )
     training = parser.add_argument_group("training defaults (exported as UNISON_* variables)")
     training.add_argument("--cpu", action="store_true", help="run on the CPU even if GPUs are present")
-    training.add_argument("--mixed-precision", "--mixed_precision", default=None, help="no, bf16 or fp16")
+    training.add_argument(*_spellings("mixed-precision"), default=None, help="no, bf16 or fp16")
     training.add_argument(
-        "--gradient-accumulation-steps",
-        "--gradient_accumulation_steps",
+        *_spellings("gradient-accumulation-steps"),
         type=int,
         default=None,
         metavar="K",
@@ -120,16 +136,30 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="ddp (default), zero1, zero2, zero3, or FIELD=VALUE pairs of ParallelismConfig, e.g. "
         "dp_shard_size=2,tp_size=2",
     )
-    parser.add_argument("script", help="the Python script to run in every process")
+    parser.add_argument(
+        "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
+    )
+    parser.add_argument("script", help="the Python script (or, with -m, module) to run in every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     parser.set_defaults(run=lambda args: run(args, parser))
 
 
-def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    options = LaunchOptions(
+def _spellings(*names: str) -> list[str]:
+    """Each flag with dashes and with underscores (`--nproc-per-node`, `--nproc_per_node`)."""
+    spelled = []
+    for name in names:
+        spelled += [f"--{name}"] + ([f"--{name.replace('-', '_')}"] if "-" in name else [])
+    return spelled
+
+
+def options_from_args(args: argparse.Namespace) -> LaunchOptions:
+    """The LaunchOptions the parsed command line asks for (aliases already folded into our names)."""
+    return LaunchOptions(
         script=args.script,
         script_args=tuple(args.script_args),
+        module=args.module,
         nproc_per_node=args.nproc_per_node,
+        num_processes=args.num_processes,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,
@@ -145,7 +175,10 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         timeout=args.timeout,
         parallelism=args.parallelism,
     )
+
+
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
-        return launch(options)
+        return launch(options_from_args(args))
     except LaunchError as error:
         parser.error(str(error))  # exits with status 2, before any process started

@@ -3,21 +3,45 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import logging
+import re
 import sys
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
 from .. import __version__
 from . import env, estimate_memory, launch, plan
 
 
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser that answers an unknown flag with the nearest known one ("did you mean ...?")
+    and takes no abbreviations (`--nproc-per-nod` is a typo, not a flag)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = re.search(r"unrecognized arguments: (\S+)", message)
+        if unknown:
+            close = difflib.get_close_matches(unknown.group(1).split("=")[0], self._flags(), n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+        super().error(message)
+
+    def _flags(self) -> list[str]:
+        return [name for action in self._actions for name in action.option_strings]
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="unison",
         description="Run one ordinary PyTorch training script on one CPU, one GPU, many GPUs or machines.",
     )
     parser.add_argument("--version", action="version", version=f"unison {__version__}")
-    subcommands = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subcommands = parser.add_subparsers(
+        dest="command", metavar="COMMAND", required=True, parser_class=SuggestingParser
+    )
     launch.register(subcommands)
     env.register(subcommands)
     estimate_memory.register(subcommands)
@@ -33,5 +57,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         handler.setFormatter(logging.Formatter("%(message)s"))
         unison_logger.addHandler(handler)
         unison_logger.setLevel(logging.INFO)
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # reported by the subcommand's parser, so its usage is the one shown
+        subcommands = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        subcommands.choices[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.run(args)
