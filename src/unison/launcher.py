@@ -363,7 +363,7 @@ def _failed_at(failure: ProcessFailure) -> float:
     return float(failure.timestamp)
 
 
-def _cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
+def cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
     """The rank whose failure caused the others.
 
     When one worker fails, torch's agent SIGTERMs the rest, and those show up as failures too, with
@@ -382,7 +382,7 @@ def _cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
 
 def _report_failure(error: ChildFailedError) -> int:
     """Name the rank that failed first (the cause; its peers usually fail because it went away)."""
-    rank = _cause_rank(error.failures)
+    rank = cause_rank(error.failures)
     failure = error.failures[rank]
     others = sorted(r for r in error.failures if r != rank)
     cause = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")

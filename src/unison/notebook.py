@@ -26,6 +26,7 @@ from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
 from .launcher import (
     RANK_PREFIX_TEMPLATE,
+    cause_rank,
     exported,
     free_loopback_port,
     resolve_nproc_per_node,
@@ -160,7 +161,8 @@ def _first_failure(log_dir: str) -> tuple[str, str] | None:
 
 def _torch_failure(error: ChildFailedError) -> tuple[str, str]:
     """(rank, traceback) as torch's agent reported it, when unison recorded nothing."""
-    rank, failure = error.get_first_failure()
+    rank = cause_rank(error.failures)  # never a rank the agent terminated because another failed
+    failure = error.failures[rank]
     message = failure.message
     if isinstance(message, dict):
         return str(rank), message.get("extraInfo", {}).get("py_callstack") or message.get("message", "")
