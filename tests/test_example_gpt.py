@@ -157,7 +157,7 @@ def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_st
         and "x 2 micro-step(s)" in header
         and "= 256 tokens per step" in header
     )
-    assert "trained 6 steps" in result.stdout
+    assert "trained 6 steps (steps 1-6, " in result.stdout
     assert result.stdout.count("---- sample ----") == 1
     assert not any(line.startswith("[rank1]:") and "loss" in line for line in lines)
 
@@ -179,17 +179,48 @@ def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
         assert result.returncode == 0, result.stderr
         return result.stdout
 
-    first = train()
+    first = train("--resume")  # nothing to resume yet: says so and starts at step 0
+    assert f"--resume: no checkpoint in {tmp_path}/checkpoints, starting at step 0" in first
+    assert "trained 6 steps (steps 1-6, " in first
+    # each save is reported with its path, its size on disk and its time
+    saves = re.findall(r"step +(\d)/6 \| saved (\S+) \((\d+\.\d) MB\) in \d+\.\d\d s", first)
+    assert [(int(step), path) for step, path, _ in saves] == [
+        (step, str(tmp_path / "checkpoints" / f"checkpoint_{step}")) for step in (2, 4, 6)
+    ]
+    real_mb = sum(
+        f.stat().st_size for f in (tmp_path / "checkpoints" / "checkpoint_6").rglob("*") if f.is_file()
+    )
+    assert float(saves[-1][2]) == pytest.approx(real_mb / 1e6, abs=0.05)
+
     shutil.rmtree(tmp_path / "checkpoints" / "checkpoint_6")
     resumed = train("--resume")
-    assert "resumed at step 4, epoch 0" in resumed
+    assert f"resumed from {tmp_path / 'checkpoints' / 'checkpoint_4'} at step 4, epoch 0" in resumed
     assert [line for line in resumed.splitlines() if "| loss " in line][0].startswith("step     5/6")
+    assert "trained 2 steps (steps 5-6, " in resumed  # this run's steps, not the run's total
+    finished = train("--resume")  # a finished run: nothing left, and it says so
+    assert (
+        "resumed from" in finished and "nothing to train: the run is at step 6 of --max-steps 6" in finished
+    )
+    assert "| loss " not in finished
 
     def tail(out: str) -> list[str]:  # the loss and val loss lines of steps 5 and 6, without timings
-        lines = [line for line in out.splitlines() if re.match(r"step +[56]/6", line)]
+        lines = [
+            line for line in out.splitlines() if re.match(r"step +[56]/6", line) and "| saved" not in line
+        ]
         return [line.split(" | lr")[0] if "| loss " in line else line for line in lines]
 
     assert tail(resumed) == tail(first) and len(tail(first)) == 3
+
+
+def test_train_py_help_shows_every_default():
+    result = subprocess.run(
+        [sys.executable, str(EXAMPLE / "train.py"), "--help"], capture_output=True, text=True, timeout=60
+    )
+    assert result.returncode == 0, result.stderr
+    text = " ".join(result.stdout.split())  # argparse wraps lines
+    for default in ("(default: 300)", "(default: 32)", "(default: 0.003)", "(default: runs/gpt)"):
+        assert default in text, default
+    assert "(default: None)" not in text and "(default: False)" not in text
 
 
 def _logged_losses(result) -> list[float]:

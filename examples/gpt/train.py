@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import math
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -35,9 +36,7 @@ from unison import Accelerator, ProjectConfiguration, set_seed
 
 
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     arg = parser.add_argument
     arg(
         "--data",
@@ -47,23 +46,23 @@ def parse_args() -> argparse.Namespace:
     arg("--max-steps", type=int, default=300, help="optimizer steps to train for")
     arg("--batch-size", type=int, default=32, help="sequences per micro-batch, per process")
     arg("--block-size", type=int, default=64, help="context length in characters")
-    arg("--n-layer", type=int, default=4)
-    arg("--n-head", type=int, default=4)
-    arg("--n-embd", type=int, default=128)
-    arg("--dropout", type=float, default=0.0)
+    arg("--n-layer", type=int, default=4, help="transformer blocks")
+    arg("--n-head", type=int, default=4, help="attention heads per block")
+    arg("--n-embd", type=int, default=128, help="width of the residual stream")
+    arg("--dropout", type=float, default=0.0, help="dropout probability (0: none)")
     arg("--lr", type=float, default=3e-3, help="peak learning rate")
     arg("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr * this")
-    arg("--warmup-steps", type=int, default=30)
-    arg("--weight-decay", type=float, default=0.1)
+    arg("--warmup-steps", type=int, default=30, help="optimizer steps of linear warmup")
+    arg("--weight-decay", type=float, default=0.1, help="AdamW weight decay of matrices and embeddings")
     arg(
         "--grad-accum",
         type=int,
         default=None,
-        help="micro-batches per optimizer step (default: the launcher's)",
+        help="micro-batches per optimizer step (default: the launcher's, else 1)",
     )
     arg("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="default: the launcher's")
     arg("--cpu", action="store_true", help="train on the CPU even if a GPU is visible")
-    arg("--seed", type=int, default=1337)
+    arg("--seed", type=int, default=1337, help="seeds the weights, the shuffle and the sample")
     arg("--project-dir", default="runs/gpt", help="checkpoints go to PROJECT_DIR/checkpoints/")
     arg("--save-every", type=int, default=100, help="save a checkpoint every N steps (0: never)")
     arg("--resume", action="store_true", help="continue from the newest checkpoint in --project-dir, if any")
@@ -77,6 +76,21 @@ def parse_args() -> argparse.Namespace:
     arg("--eval-batches", type=int, default=8, help="validation batches per process for each evaluation")
     arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end (0: none)")
     return parser.parse_args()
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's layout and shows each option's default, except where the help
+    already says what an unset option (None, or a flag's False) means."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def megabytes(directory: Path) -> float:
+    """The size of everything under `directory`, in MB."""
+    return sum(file.stat().st_size for file in directory.rglob("*") if file.is_file()) / 1e6
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -157,8 +171,16 @@ def main() -> None:
     val_ds = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * dp_size)))
     val_dl = accelerator.prepare(DataLoader(val_ds, batch_size=args.batch_size))
     # --resume: weights, optimizer, schedule, RNG and the data position inside the interrupted epoch
-    if args.resume and accelerator.load_state(missing_ok=True):
-        accelerator.print(f"resumed at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}")
+    if args.resume:
+        resumed_from = accelerator.load_state(missing_ok=True)
+        if resumed_from is None:
+            accelerator.print(
+                f"--resume: no checkpoint in {args.project_dir}/checkpoints, starting at step 0"
+            )
+        else:
+            accelerator.print(
+                f"resumed from {resumed_from} at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}"
+            )
 
     accum = accelerator.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
@@ -172,7 +194,8 @@ def main() -> None:
     )
 
     # ---- train
-    step, epoch = accelerator.optimizer_steps, train_dl.epoch
+    first_step = step = accelerator.optimizer_steps  # 0, or where --resume picked up
+    epoch = train_dl.epoch
     loss_sum, micro_steps, tokens = torch.zeros((), device=accelerator.device), 0, 0
     last_log_step = step
     start = last_log = time.perf_counter()
@@ -208,17 +231,31 @@ def main() -> None:
                 micro_steps = tokens = 0
                 last_log, last_log_step = time.perf_counter(), step
             if step % args.eval_interval == 0 or step == args.max_steps:
+                began = time.perf_counter()
                 val_loss = evaluate(model, val_dl, accelerator)
                 accelerator.print(f"step {step:5d}/{args.max_steps} | val loss {val_loss:.4f}")
-                last_log = time.perf_counter()  # evaluation time does not count against tokens/s
+                last_log += time.perf_counter() - began  # evaluation time does not count against tokens/s
             if args.save_every and step % args.save_every == 0:
-                accelerator.save_state()  # every process takes part; the main process writes the files
+                began = time.perf_counter()
+                path = accelerator.save_state()  # every process takes part; the main process writes
+                seconds = time.perf_counter() - began
+                accelerator.print(
+                    f"step {step:5d}/{args.max_steps} | saved {path} ({megabytes(path):.1f} MB) "
+                    f"in {seconds:.2f} s"
+                )
+                last_log += seconds
             if step == args.max_steps:
                 break
         epoch += 1
 
     elapsed = time.perf_counter() - start
-    accelerator.print(f"trained {step} steps ({step / steps_per_epoch:.2f} epochs) in {elapsed:.1f} s")
+    if step == first_step:
+        accelerator.print(f"nothing to train: the run is at step {step} of --max-steps {args.max_steps}")
+    else:
+        accelerator.print(
+            f"trained {step - first_step} steps (steps {first_step + 1}-{step}, {step / steps_per_epoch:.2f} "
+            f"epochs in all) in {elapsed:.1f} s"
+        )
 
     # ---- a sample from the trained model, written by the main process. The weights are gathered into
     # one plain model first (every process takes part): a sharded or split model is whole nowhere.
