@@ -1,7 +1,7 @@
 """`unison.planner` and `unison plan`: the guide's decision tree on a table of cases and on published layouts.
 
-Models are built on the meta device (shapes only). The Llama-like factories below are also the CLI's
-TARGETs (`tests/test_planner.py:llama_3_1_405b`), so this file must import without pytest's conftest.
+Models are built on the meta device (shapes only), from the example models the docs name as TARGETs
+(examples/llama/model.py, examples/gpt/model.py).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 from launching import REPO_ROOT
+from tiny_gpt import gpt_model, llama_model
 
 from unison import memory, planner
 from unison.commands.main import build_parser
@@ -27,62 +28,31 @@ from unison.planner import Hardware, PlanError, Workload, parse_memory
 GiB = 2**30
 
 
-class Attention(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int):
-        super().__init__()
-        self.num_heads, self.num_key_value_heads = heads, kv_heads
-        head_dim = hidden // heads
-        self.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-
-
-class Block(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, intermediate: int):
-        super().__init__()
-        self.input_layernorm = nn.RMSNorm(hidden)
-        self.self_attn = Attention(hidden, heads, kv_heads)
-        self.post_attention_layernorm = nn.RMSNorm(hidden)
-        self.gate_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.up_proj = nn.Linear(hidden, intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
-
-
-class LlamaLike(nn.Module):
-    """Llama's parameter shapes (grouped-query attention, SwiGLU, untied output layer); no forward needed."""
-
-    def __init__(self, layers: int, hidden: int, heads: int, kv_heads: int, intermediate: int, vocab: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, hidden)
-        self.layers = nn.ModuleList(Block(hidden, heads, kv_heads, intermediate) for _ in range(layers))
-        self.norm = nn.RMSNorm(hidden)
-        self.lm_head = nn.Linear(hidden, vocab, bias=False)
-
-
-def llama_3_1_8b() -> nn.Module:
-    return LlamaLike(layers=32, hidden=4096, heads=32, kv_heads=8, intermediate=14336, vocab=128256)
-
-
-def llama_3_1_405b() -> nn.Module:
-    return LlamaLike(layers=126, hidden=16384, heads=128, kv_heads=8, intermediate=53248, vocab=128256)
+# The shipped example models: the factories the docs show as TARGETs, and two sizes for the decision table.
+llama_3_1_8b = llama_model.llama_3_1_8b
+llama_3_1_405b = llama_model.llama_3_1_405b
+gpt2_124m = gpt_model.gpt2_124m
 
 
 def llama_1b() -> nn.Module:
     """~0.95B: small enough that the table's device sizes read like arithmetic (fp32: 15.2 GB of state)."""
-    return LlamaLike(layers=16, hidden=2048, heads=16, kv_heads=16, intermediate=5632, vocab=32000)
+    return llama_model.LlamaForCausalLM(_llama_1b_config())
 
 
 def llama_1b_huge_vocab() -> nn.Module:
     """The same blocks under a 1M-token vocabulary: one 2.05B-parameter embedding, the largest layer."""
-    return LlamaLike(layers=16, hidden=2048, heads=16, kv_heads=16, intermediate=5632, vocab=1_000_000)
+    return llama_model.LlamaForCausalLM(_llama_1b_config(vocab_size=1_000_000))
 
 
-def gpt2_124m() -> nn.Module:
-    from tiny_gpt import gpt_model  # examples/gpt/model.py; tests/workers is on sys.path under pytest
-
-    config = gpt_model.GPTConfig(n_layer=12, n_head=12, n_embd=768, vocab_size=50257, block_size=1024)
-    return gpt_model.GPT(config)
+def _llama_1b_config(vocab_size: int = 32000):
+    return llama_model.LlamaConfig(
+        vocab_size=vocab_size,
+        hidden_size=2048,
+        num_hidden_layers=16,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        intermediate_size=5632,
+    )
 
 
 @functools.cache
@@ -313,7 +283,7 @@ def test_link_is_read_from_the_nvidia_smi_topology_matrix():
 
 def test_cli_json_for_scripts():
     result = subprocess.run(
-        [sys.executable, "-m", "unison", "plan", "tests/test_planner.py:llama_3_1_405b", "--devices", "512",
+        [sys.executable, "-m", "unison", "plan", "examples/llama/model.py:llama_3_1_405b", "--devices", "512",
          "--nodes", "64", "--device-memory", "80GB", "--precision", "bf16-mixed", "--micro-batch-size", "1",
          "--seq-len", "8192", "--activation-checkpointing", "--json"],
         cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
@@ -356,6 +326,28 @@ def test_cli_errors_exit_2_with_the_reason(capsys):
         with pytest.raises(SystemExit) as caught:
             _run_cli("plan", target, "--devices", "8", flag, value)
         assert caught.value.code == 2 and reason in capsys.readouterr().err
+
+
+def test_plan_and_estimate_memory_count_zero_layouts_alike(capsys):
+    """One source of truth: the planner's ZeRO-2/3 rows are estimate-memory's, to the byte."""
+    target = "examples/llama/model.py:llama_3_1_8b"
+    assert _run_cli("plan", target, "--devices", "8", "--precision", "fp32", "--json") == 0
+    report = json.loads(capsys.readouterr().out)
+    planned = {
+        f"zero{entry['config']['zero_stage']}": entry["memory"]
+        for entry in [report, *report["runners_up"]]
+        if entry["config"]["dp_shard_size"] == 8
+    }
+    assert _run_cli("estimate-memory", target, "--devices", "8", "--json") == 0
+    estimated = {
+        row["strategy"]: row
+        for row in json.loads(capsys.readouterr().out)["estimates"]
+        if row["precision"] == "fp32"
+    }
+    assert {"zero2", "zero3"} <= planned.keys()
+    for strategy in ("zero2", "zero3"):
+        for part in ("parameters", "gradients", "optimizer"):
+            assert planned[strategy][part] == estimated[strategy][part], (strategy, part)
 
 
 def _run_cli(*argv: str) -> int:

@@ -168,3 +168,10 @@ class GPT(nn.Module):
             next_token = torch.multinomial(probs, num_samples=1, generator=generator)
             idx = torch.cat((idx, next_token), dim=1)
         return idx
+
+
+def gpt2_124m() -> GPT:
+    """This model at GPT-2 small's size (12 layers, 12 heads, 768 wide, 1,024 tokens, GPT-2's 50,257-token
+    vocabulary): 124M parameters. A target for `unison plan` and `unison estimate-memory`, e.g.
+    `unison plan examples/gpt/model.py:gpt2_124m --devices 8`."""
+    return GPT(GPTConfig(block_size=1024, vocab_size=50257, n_layer=12, n_head=12, n_embd=768))

@@ -92,6 +92,7 @@ class ModelShape:
     layers: int | None = None
     hidden: int | None = None
     vocab: int | None = None
+    largest_unit: int | None = None  # parameters FSDP2 gathers at once (see zero_gathered_unit_bytes)
 
 
 @dataclass(frozen=True)
@@ -213,6 +214,8 @@ def inspect_model(model: nn.Module) -> ModelShape:
     if found is None:
         return ModelShape(total, trainable, vocab=vocab)
     name, blocks = found
+    block_parameters = sum(p.numel() for p in blocks.parameters()) // len(blocks)
+    unit = max(block_parameters, total - block_parameters * len(blocks))  # a block, or the root
     block = blocks[0]
     has_attention = any(
         isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
@@ -220,8 +223,8 @@ def inspect_model(model: nn.Module) -> ModelShape:
     )
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
     if not has_attention or not linears:
-        return ModelShape(total, trainable, blocks=name, vocab=vocab)
-    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab)
+        return ModelShape(total, trainable, blocks=name, vocab=vocab, largest_unit=unit)
+    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab, unit)
 
 
 def model_state_bytes(
@@ -245,6 +248,21 @@ def model_state_bytes(
     if strategy in ("zero3", "tp", "pp"):
         return param_shard, grad_shard, optim_shard
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {[s for s, _, _ in STRATEGIES]}")
+
+
+def zero_gathered_unit_bytes(strategy: str, precision: Precision, unit_parameters: int) -> tuple[int, int]:
+    """(parameter, gradient) bytes a device holds beyond its shards under unison's FSDP2 ZeRO-2/3.
+
+    FSDP2 shards per unit (each block, then the root: everything outside the blocks) and a unit's
+    gradients are whole until its reduce-scatter; under ZeRO-3 its parameters are whole while it
+    computes too. So the largest unit adds that much to the ZeRO paper's per-device formulas. Both
+    `unison estimate-memory` and `unison plan` add it, from here.
+    """
+    if strategy == "zero2":
+        return 0, unit_parameters * precision.grad_bytes
+    if strategy == "zero3":
+        return unit_parameters * precision.param_bytes, unit_parameters * precision.grad_bytes
+    return 0, 0
 
 
 def activation_bytes(
@@ -284,7 +302,10 @@ def estimate(
         )
     notes = [
         "TP and PP rows are estimates: ~1/N of the model state (replicated norms/biases and uneven "
-        "stages add some)."
+        "stages add some).",
+        f"ZeRO-2/3 rows include the largest FSDP2 unit ({shape.largest_unit or shape.parameters:,} "
+        "parameters: a block, or everything outside the blocks) held whole: its gradients before the "
+        "reduce-scatter, and under ZeRO-3 its parameters while it computes (as `unison plan` counts).",
     ]
     with_activations = micro_batch_size is not None
     if with_activations and shape.layers is None:
@@ -304,6 +325,10 @@ def estimate(
             p, g, o = model_state_bytes(
                 strategy, precision, shape.parameters, shape.trainable_parameters, devices
             )
+            if devices > 1:
+                unit = shape.largest_unit or shape.parameters
+                extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
+                p, g = p + extra_p, g + extra_g
             activations = None
             if with_activations:
                 activations = activation_bytes(

@@ -286,11 +286,11 @@ def _memory(facts: ModelFacts, hw: Hardware, workload: Workload, config: Paralle
     params, grads, optim = memory.model_state_bytes(
         strategy, precision, held, trainable, shard if stage else 1
     )
-    unit = math.ceil(facts.largest_unit / tp)
-    if stage in (2, 3):
-        grads += unit * precision.grad_bytes
-    if stage == 3:
-        params += unit * precision.param_bytes
+    if stage in (2, 3) and shard > 1:
+        extra_params, extra_grads = memory.zero_gathered_unit_bytes(
+            strategy, precision, math.ceil(facts.largest_unit / tp)
+        )
+        params, grads = params + extra_params, grads + extra_grads
     return PlanMemory(params, grads, optim, _activations(facts, workload, tp), hw.device_memory)
 
 

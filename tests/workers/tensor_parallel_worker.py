@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
-import torch.nn.functional as F
-from tiny_gpt import gpt_model, local_bytes, make_optimizer, make_tiny_gpt, unique_params
+from tiny_gpt import gpt_model, llama_model, local_bytes, make_optimizer, make_tiny_gpt, unique_params
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
@@ -54,91 +53,21 @@ SEED = 1234
 # Models
 
 
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
-
-
-def rotary(x: torch.Tensor) -> torch.Tensor:
-    """Rotate-half rotary position embedding of x (B, T, heads, head_dim)."""
-    seq, dim = x.size(1), x.size(-1)
-    inv_freq = 1.0 / (10000 ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
-    angles = torch.outer(torch.arange(seq, dtype=torch.float32), inv_freq)[None, :, None, :]
-    x1, x2 = x[..., : dim // 2], x[..., dim // 2 :]
-    return torch.cat([x1 * angles.cos() - x2 * angles.sin(), x1 * angles.sin() + x2 * angles.cos()], -1)
-
-
-class LlamaAttention(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int):
-        super().__init__()
-        self.head_dim = dim // n_heads
-        self.q_proj = nn.Linear(dim, n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(dim, n_kv_heads * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(n_heads * self.head_dim, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        q = rotary(self.q_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
-        k = rotary(self.k_proj(x).view(B, T, -1, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
-        repeat = q.size(1) // k.size(1)  # local head counts: the same ratio on every TP rank
-        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
-
-
-class LlamaMLP(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.gate_proj = nn.Linear(dim, hidden, bias=False)
-        self.up_proj = nn.Linear(dim, hidden, bias=False)
-        self.down_proj = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-
-class LlamaBlock(nn.Module):
-    def __init__(self, dim: int, n_heads: int, n_kv_heads: int, hidden: int):
-        super().__init__()
-        self.input_layernorm = RMSNorm(dim)
-        self.self_attn = LlamaAttention(dim, n_heads, n_kv_heads)
-        self.post_attention_layernorm = RMSNorm(dim)
-        self.mlp = LlamaMLP(dim, hidden)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class LlamaModel(nn.Module):
-    def __init__(self, vocab: int, dim: int, layers: int, n_heads: int, n_kv_heads: int, hidden: int):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(vocab, dim)
-        self.layers = nn.ModuleList([LlamaBlock(dim, n_heads, n_kv_heads, hidden) for _ in range(layers)])
-        self.norm = RMSNorm(dim)
-
-
-class TinyLlama(nn.Module):
-    """Hugging Face Llama's module names, 4 query heads sharing 2 key/value heads, untied head."""
+class TinyLlama(llama_model.LlamaForCausalLM):
+    """The example Llama (Hugging Face's module names): 4 query heads sharing 2 key/value heads."""
 
     def __init__(self):
-        super().__init__()
-        self.model = LlamaModel(VOCAB, dim=32, layers=2, n_heads=4, n_kv_heads=2, hidden=64)
-        self.lm_head = nn.Linear(32, VOCAB, bias=False)
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor):
-        x = self.model.embed_tokens(idx)
-        for layer in self.model.layers:
-            x = layer(x)
-        logits = self.lm_head(self.model.norm(x))
-        return logits, F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        super().__init__(
+            llama_model.LlamaConfig(
+                vocab_size=VOCAB,
+                hidden_size=32,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                intermediate_size=64,
+                rope_theta=10000.0,
+            )
+        )
 
 
 def make_model(name: str) -> nn.Module:

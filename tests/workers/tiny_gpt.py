@@ -1,19 +1,29 @@
 """The tiny GPT of examples/gpt/model.py that several launched workers train, loaded and configured once,
-with the optimizers they train it with and the byte counts they measure."""
+with the optimizers they train it with and the byte counts they measure; and the example Llama model."""
 
 from __future__ import annotations
 
 import importlib.util
 import sys
 from pathlib import Path
+from types import ModuleType
 
 import torch
 from torch.distributed.tensor import DTensor
 
-_GPT_MODEL = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "model.py"
-_spec = importlib.util.spec_from_file_location("tiny_gpt_model", _GPT_MODEL)
-gpt_model = sys.modules[_spec.name] = importlib.util.module_from_spec(_spec)  # dataclasses look it up
-_spec.loader.exec_module(gpt_model)
+_EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _load_example(name: str) -> ModuleType:
+    """examples/NAME/model.py as the module NAME_model (examples/ is no package: users run its files)."""
+    spec = importlib.util.spec_from_file_location(f"{name}_model", _EXAMPLES / name / "model.py")
+    module = sys.modules[spec.name] = importlib.util.module_from_spec(spec)  # dataclasses look it up
+    spec.loader.exec_module(module)
+    return module
+
+
+gpt_model = _load_example("gpt")
+llama_model = _load_example("llama")
 
 
 def make_tiny_gpt(seed: int, block_size: int) -> torch.nn.Module:
