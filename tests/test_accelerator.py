@@ -64,6 +64,11 @@ def test_gather_for_metrics_returns_exactly_the_dataset(results):
     for rank_result in results:
         assert rank_result["gather_for_metrics"]["tensor_rows_equal_dataset"]
         assert rank_result["gather_for_metrics"]["object_rows"] == list(range(0, 26, 2))
+        # a list of tensors is a structure like a tuple: each tensor's rows are cut, not the list
+        assert rank_result["gather_for_metrics"]["list_of_tensors"] == [
+            [float(i) for i in range(0, 26, 2)],
+            [float(i) for i in range(1, 26, 2)],
+        ]
 
 
 def test_bad_input_raises_on_every_rank(results):

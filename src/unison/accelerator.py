@@ -573,7 +573,8 @@ class Accelerator(CheckpointMethods):
         every layout: tensor-parallel and pipeline peers, which read the same batches, count once.
         """
         representatives = data_parallel_representatives(self.device_mesh)
-        if use_gather_object or not _all_leaves_are_tensors(input_data):
+        as_objects = use_gather_object or not _all_leaves_are_tensors(input_data)
+        if as_objects:
             if representatives is None:
                 data = ops.gather_object(input_data)
             else:  # tensor/pipeline peers hold copies of one dp rank's results: keep one of each
@@ -590,9 +591,9 @@ class Accelerator(CheckpointMethods):
         remainder = self.gradient_state.remainder
         if not self.gradient_state.end_of_dataloader or remainder < 0:
             return data
-        if isinstance(data, list):
+        if as_objects:  # one list of every process's items: the padding is at its end
             return data[:remainder]
-        return ops.slice_tensors(data, slice(0, remainder))
+        return ops.slice_tensors(data, slice(0, remainder))  # each tensor's rows, in any structure
 
     def gather_object(self, obj: Any) -> list[Any]:
         return ops.gather_object(obj)

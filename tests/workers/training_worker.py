@@ -136,13 +136,17 @@ def gather_for_metrics_rows() -> dict:
     accelerator = Accelerator(cpu=True)
     dataset = TensorDataset(torch.arange(13 * 2, dtype=torch.float32).reshape(13, 2))
     loader = accelerator.prepare(DataLoader(dataset, batch_size=2))
-    tensors, objects = [], []
+    tensors, objects, pairs = [], [], []
     for (x,) in loader:
         tensors.append(accelerator.gather_for_metrics(x))
         objects.extend(accelerator.gather_for_metrics(x[:, 0].int().tolist()))
+        pairs.append(accelerator.gather_for_metrics([x[:, 0], x[:, 1]]))  # e.g. [predictions, labels]
     return {
         "tensor_rows_equal_dataset": torch.equal(torch.cat(tensors), dataset.tensors[0]),
         "object_rows": objects,
+        "list_of_tensors": [torch.cat([pair[i] for pair in pairs]).tolist() for i in range(2)]
+        if all(len(pair) == 2 for pair in pairs)
+        else [len(pair) for pair in pairs],
     }
 
 
