@@ -236,6 +236,33 @@ def test_values_that_cannot_cross_a_split_are_refused(keyword, message):
         second(*sent)  # block 1 gets (h, scale) from stage 0; block 2 would get stage 0's scale
 
 
+class _Guarded(nn.Module):
+    """A model whose forward catches Exception around each block (a fallback, as real code has)."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.Linear(4, 4) for _ in range(4)])
+
+    def forward(self, x):
+        for block in self.blocks:
+            try:
+                x = block(x)
+            except Exception:  # the point of the test
+                x = x * 0  # the fallback must never run: no block fails here
+        return x
+
+
+def test_a_models_own_except_exception_does_not_swallow_the_stage_boundary():
+    model = _Guarded()
+    x = torch.randn(2, 4)
+    expected = model(x)
+    (_, first), (_, second) = (split_model(model, r, 2, None, "gpipe")[0] for r in range(2))
+    handed_over = first(x)
+    assert torch.allclose(handed_over, model.blocks[1](model.blocks[0](x)))  # stage 0 stops at block 2
+    second.set_micro_inputs((x,))
+    assert torch.allclose(second.rebuild_output(second(handed_over)), expected)
+
+
 def test_pipeline_bubble_fraction():
     assert pipeline_bubble_fraction(1, 4) == 0.0
     assert pipeline_bubble_fraction(2, 1) == 0.5

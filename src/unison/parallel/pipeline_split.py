@@ -193,8 +193,12 @@ def _meta_copy(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-class _StageExit(Exception):
-    """Raised where the next stage's first block is called; args[0]: that block's positional inputs."""
+class _StageExit(BaseException):
+    """Raised where the next stage's first block is called; args[0]: that block's positional inputs.
+
+    A BaseException, as StopIteration's cousins GeneratorExit and KeyboardInterrupt are: it ends the
+    stage's forward, it is no error, and a model's own `except Exception:` around its blocks (a
+    fallback path, a logging wrapper) must not catch it and run on past the stage boundary."""
 
 
 class _Exit(nn.Module):
