@@ -275,3 +275,20 @@ def test_collectives_across_three_processes(tmp_path):
     )
     assert "gather_object" in errors["gather_not_tensor"]
     assert "median" in errors["reduce_unknown"] and "from_process=3" in errors["broadcast_from_out_of_range"]
+
+
+def test_only_a_backend_without_gather_into_tensor_switches_collectives():
+    """The fallback to all_gather is taken only on an error every rank meets alike (the backend lacks
+    the collective); an out-of-memory error or a communication failure on one rank propagates, since
+    switching there alone would leave its peers waiting in the other collective."""
+    from unison.ops import backend_lacks_gather_into_tensor
+
+    assert backend_lacks_gather_into_tensor(
+        RuntimeError("no support for _allgather_base in Gloo process group")
+    )
+    assert backend_lacks_gather_into_tensor(NotImplementedError("all_gather_into_tensor"))
+    assert not backend_lacks_gather_into_tensor(
+        torch.OutOfMemoryError("CUDA out of memory. Tried to allocate")
+    )
+    assert not backend_lacks_gather_into_tensor(torch.distributed.DistError("Connection closed by peer"))
+    assert not backend_lacks_gather_into_tensor(RuntimeError("CUDA error: an illegal memory access"))

@@ -258,10 +258,23 @@ def _all_gather_into(output: torch.Tensor, tensor: torch.Tensor, num_processes: 
             _all_gather_single(output, tensor)
             return
         except (RuntimeError, NotImplementedError) as error:
-            if isinstance(error, dist.DistError):  # a real communication failure, not a missing feature
+            if not backend_lacks_gather_into_tensor(error):
                 raise
-            _gather_into_tensor_works = False  # older gloo: not implemented (fails alike on every rank)
+            _gather_into_tensor_works = False
     dist.all_gather(list(output.view(num_processes, *tensor.shape).unbind(0)), tensor)
+
+
+def backend_lacks_gather_into_tensor(error: BaseException) -> bool:
+    """Whether `error` says the backend has no gather-into-one-tensor (older gloo), so every rank meets
+    the same error at the same call and all switch to all_gather together.
+
+    Anything else (a CUDA out-of-memory error, a peer that went away) happens on some ranks only:
+    switching collectives there would leave the peers in a different one, a hang or garbage, so it
+    propagates instead.
+    """
+    if isinstance(error, (dist.DistError, torch.cuda.OutOfMemoryError)):
+        return False
+    return isinstance(error, NotImplementedError) or "no support for _allgather_base" in str(error)
 
 
 def _digest(description: list[Any]) -> int:
