@@ -2,8 +2,9 @@
 
 One launch of tests/workers/strategy_worker.py per world size trains a tiny GPT under each layout of
 that size (four runs each: SGD+momentum, SGD with accumulation 2, AdamW, summed token losses with
-num_items) and compares the consolidated parameters with a single-process reference computed in the
-worker; the per-rank bytes of the AdamW run are compared with design.md §3's formulas.
+num_items; each with clipping and a scheduler that changes the rate every step) and compares the
+consolidated parameters with a single-process reference computed in the worker; the per-rank bytes
+of the AdamW run are compared with design.md §3's formulas.
 """
 
 from __future__ import annotations
@@ -88,6 +89,15 @@ def test_parameters_match_the_single_process_reference(reports, world, layout):
     for name, run in runs.items():
         assert run["keys_match"], (layout, name)
         assert run["max_abs_diff"] < TOLERANCE[name], (layout, name, run["max_abs_diff"])
+
+
+@pytest.mark.parametrize("world, layout", CASES)
+def test_the_learning_rate_schedule_drives_every_layout(reports, world, layout):
+    """A scheduler built on the user's optimizer before prepare() sets the rate of every real step
+    (ZeRO-1 rebuilds the optimizer: it used to step at the initial rate forever)."""
+    for name, run in reports[world]["layouts"][layout]["runs"].items():
+        initial = 1e-2 if name == "adamw" else 0.5
+        assert run["rates"] == pytest.approx([initial * 0.8**step for step in range(5)]), (layout, name)
 
 
 @pytest.mark.parametrize("world, layout", CASES)

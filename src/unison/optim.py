@@ -9,6 +9,7 @@ of processes: the schedule is written in optimizer steps and means the same on 1
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -122,7 +123,18 @@ class AcceleratedScheduler:
             return
         if any(optimizer.step_was_skipped for optimizer in self.optimizers):
             return  # fp16 overflow: the optimizer did not step, so neither does the schedule
-        self.scheduler.step(*args, **kwargs)
+        with warnings.catch_warnings():
+            if self._drives_a_rebuilt_optimizer():
+                # torch checks that the scheduler's optimizer stepped first; the one that stepped is
+                # the rebuilt one, which shares its param groups, so the check looks at the wrong object
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            self.scheduler.step(*args, **kwargs)
+
+    def _drives_a_rebuilt_optimizer(self) -> bool:
+        """Whether prepare() rebuilt the scheduler's optimizer (ZeRO-1's ZeroRedundancyOptimizer shares
+        the user's param groups, so the schedule still sets the learning rate it steps with)."""
+        target = getattr(self.scheduler, "optimizer", None)
+        return target is not None and all(target is not prepared.optimizer for prepared in self.optimizers)
 
     def get_last_lr(self) -> list[float]:
         return self.scheduler.get_last_lr()

@@ -96,10 +96,16 @@ def make_model(layout: str) -> torch.nn.Module:
     return gpt_model.GPT(config)
 
 
+def make_scheduler(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    """A rate that changes at every optimizer step, so a layout that loses the schedule shows it."""
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
+
+
 def reference(layout: str, optimizer_name: str, summed: bool) -> dict[str, torch.Tensor]:
     """One process, plain torch: each step's GLOBAL_BATCH samples in one batch, the mean over its tokens."""
     model = make_model(layout)
     optimizer = make_optimizer(optimizer_name, model.parameters())
+    scheduler = make_scheduler(optimizer)
     inputs, targets = make_dataset(padded=summed).tensors
     norms = []
     for step in range(STEPS):
@@ -109,6 +115,7 @@ def reference(layout: str, optimizer_name: str, summed: bool) -> dict[str, torch
         (loss / valid if summed else loss).backward()
         norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM).item())
         optimizer.step()
+        scheduler.step()
         optimizer.zero_grad()
     return model.state_dict(), norms
 
@@ -128,9 +135,11 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
     accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=accumulation)
     model = make_model(layout)
     optimizer = make_optimizer(optimizer_name, model.parameters())
+    scheduler = make_scheduler(optimizer)  # built on the user's optimizer, before prepare(), as users do
     micro_batch = GLOBAL_BATCH // (accelerator.parallelism.dp_size * accumulation)
     loader = DataLoader(make_dataset(padded=summed), batch_size=micro_batch)
-    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    rates: list[float] = []
     memory: dict[str, int] = {}
     result: dict = {}
     norms: list[float] = []
@@ -149,7 +158,10 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
                 accelerator.backward(loss)
             if accelerator.sync_gradients:
                 norms.append(accelerator.clip_grad_norm_(model.parameters(), MAX_NORM).item())
+            if accelerator.sync_gradients:  # the rate of the optimizer that steps (ZeRO-1: the rebuilt one)
+                rates.append(optimizer.param_groups[0]["lr"])
             optimizer.step()
+            scheduler.step()
             if accelerator.sync_gradients:
                 memory["grads"] = sum(local_bytes(p.grad) for p in unique_params(model))
                 memory["optimizer"] = optimizer_state_bytes(optimizer)
@@ -159,6 +171,7 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
     full = accelerator.get_state_dict(model)
     expected, expected_norms = reference(layout, optimizer_name, summed)
     result |= {
+        "rates": rates,
         "memory": memory,
         "engine": type(model).__name__,
         "norms": norms,

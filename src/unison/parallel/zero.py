@@ -127,6 +127,8 @@ def shard_optimizer_state(
 
     ZeroRedundancyOptimizer builds its per-rank inner optimizer from the parameters, so this takes the
     user's optimizer apart and builds a new one; it must not have stepped yet (its state would be lost).
+    The new one shares the user's param-group dicts, so schedulers (and anything else) that change a
+    group's lr through the user's optimizer still drive the training.
     The overlap-with-DDP mode is not used: its comm hook refuses gloo.
     """
     if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -141,7 +143,9 @@ def shard_optimizer_state(
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
     return ZeroRedundancyOptimizer(
-        [dict(group) for group in optimizer.param_groups],
+        # The user's group dicts themselves, not copies: a learning-rate scheduler built on the user's
+        # optimizer writes into these dicts, and ZeroRedundancyOptimizer reads them at every step.
+        optimizer.param_groups,
         optimizer_class=type(optimizer),
         process_group=mesh.get_group() if mesh is not None else None,
         **defaults,
