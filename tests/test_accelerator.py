@@ -60,6 +60,13 @@ def test_last_batch_of_loader_always_syncs(results):
         assert rank_result["end_of_loader_sync"] == [False, True, True]
 
 
+def test_a_window_cut_short_by_the_loader_averages_its_own_micro_batches(results):
+    """5 rounds at accumulation 3: the second update is the mean over its 2 micro-batches (r/k of it
+    before), equal to one process on each window's samples in one batch."""
+    for rank_result in results:
+        assert rank_result["short_final_window"]["diff"] < 1e-6, rank_result["short_final_window"]
+
+
 def test_gather_for_metrics_returns_exactly_the_dataset(results):
     for rank_result in results:
         assert rank_result["gather_for_metrics"]["tensor_rows_equal_dataset"]

@@ -112,6 +112,7 @@ class Accelerator(CheckpointMethods):
         scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).changed_kwargs()
         self.precision = PrecisionPolicy(self.state.mixed_precision, self.device, scaler_kwargs)
         self.step = 0  # micro-steps since the last sync (Accelerate's meaning)
+        self._window_micro_steps = self.gradient_accumulation_steps  # of the window in progress
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -400,12 +401,15 @@ class Accelerator(CheckpointMethods):
         return any(optimizer.step_was_skipped for optimizer in self._optimizers)
 
     def _do_sync(self) -> None:
-        """Decide whether this micro-step synchronises: every k-th, and always on a loader's last batch."""
+        """Decide whether this micro-step synchronises: every k-th, and always on a loader's last batch
+        (a window the loader cuts short then holds fewer than k micro-batches: `_window_micro_steps`)."""
         if self.gradient_state.end_of_dataloader:
+            self._window_micro_steps = self.step % self.gradient_accumulation_steps + 1
             self.step = 0
             self.gradient_state.sync_gradients = True
         else:
             self.step += 1
+            self._window_micro_steps = self.gradient_accumulation_steps
             self.gradient_state.sync_gradients = self.step % self.gradient_accumulation_steps == 0
 
     @contextlib.contextmanager
@@ -448,12 +452,20 @@ class Accelerator(CheckpointMethods):
         self._end_backward(counted)
 
     def _end_backward(self, counted: Any) -> None:
-        """Count this micro-step's items; on the window's last, normalise the summed gradients by them."""
+        """Count this micro-step's items; on the window's last, normalise the summed gradients by them.
+
+        Mean losses were divided by k; a window the loader cut short after r < k micro-batches is
+        multiplied by k / r here, so its update is the mean over its own micro-batches, as one process
+        with the same samples in one batch computes it (every process ends the loader together).
+        """
         if counted is not None:
             self._item_count.add(counted)
         if self.sync_gradients:
             if counted is not None:
                 self._normalise_by_item_count()
+            elif self._window_micro_steps < self.gradient_accumulation_steps:
+                factor = torch.tensor(self.gradient_accumulation_steps / self._window_micro_steps)
+                scale_gradients((p for model in self._models for p in model.parameters()), factor)
             self._item_count.end_window()
 
     def forward_backward(

@@ -131,6 +131,39 @@ def sync_pattern_at_end_of_loader() -> list[bool]:
     return pattern
 
 
+def short_final_window() -> dict:
+    """Accumulation 3 over 5 rounds of micro-batches: windows of 3 and 2. Each update must be the mean
+    gradient of its own window's samples (one process, plain torch, computes the reference), so the
+    short window is divided by its 2 micro-batches, not by 3."""
+    accumulation, rounds = 3, 5
+    accelerator = Accelerator(gradient_accumulation_steps=accumulation, cpu=True)
+    round_size = MICRO_BATCH * accelerator.num_processes
+    dataset = make_data(rounds * round_size)
+    model = make_model()
+    optimizer = make_optimizer("sgd", model)
+    scheduler = make_scheduler(optimizer)
+    loader = DataLoader(dataset, batch_size=MICRO_BATCH)
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    for x, y in loader:
+        with accelerator.accumulate(model):
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+    reference_model = make_model()
+    reference_optimizer = make_optimizer("sgd", reference_model)
+    reference_scheduler = make_scheduler(reference_optimizer)
+    x, y = dataset.tensors
+    for first, end in ((0, accumulation), (accumulation, rounds)):  # each window's samples in one batch
+        rows = slice(first * round_size, end * round_size)
+        nn.functional.mse_loss(reference_model(x[rows]), y[rows]).backward()
+        reference_optimizer.step()
+        reference_scheduler.step()
+        reference_optimizer.zero_grad()
+    params = [p.detach().clone() for p in accelerator.unwrap_model(model).parameters()]
+    return {"diff": max_diff(params, [p.detach() for p in reference_model.parameters()])}
+
+
 def gather_for_metrics_rows() -> dict:
     """Evaluation over 13 samples: the gathered rows must be exactly the dataset, in order, once."""
     accelerator = Accelerator(cpu=True)
@@ -182,6 +215,7 @@ def main() -> None:
         "runs": runs,
         "end_of_loader_sync": sync_pattern_at_end_of_loader(),
         "gather_for_metrics": gather_for_metrics_rows(),
+        "short_final_window": short_final_window(),
         "errors": bad_inputs(),
     }
     (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))
