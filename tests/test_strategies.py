@@ -116,6 +116,15 @@ def test_gather_for_metrics_counts_each_evaluation_sample_once(reports, world, l
 
 
 @pytest.mark.parametrize("world, layout", CASES)
+def test_reduce_and_gather_count_each_data_parallel_rank_once(reports, world, layout):
+    """As gather_for_metrics does: tensor-parallel and pipeline peers hold copies of one dp rank's value."""
+    evaluation = reports[world]["layouts"][layout]["runs"]["sgd"]["eval"]
+    dp = evaluation["dp_size"]
+    assert evaluation["gathered_dp_ranks"] == [float(rank) for rank in range(dp)], evaluation
+    assert evaluation["reduced"] == {"sum": dp * (dp + 1) / 2, "mean": (dp + 1) / 2, "max": dp}, evaluation
+
+
+@pytest.mark.parametrize("world, layout", CASES)
 def test_per_rank_memory_follows_the_design_formulas(reports, world, layout):
     """fp32 AdamW: parameters + gradients + optimizer state per rank within 5% of design.md §3."""
     fp32 = next(p for p in PRECISIONS if p.name == "fp32")

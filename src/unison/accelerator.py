@@ -20,11 +20,12 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from . import launch_env, ops
+from . import launch_env
 from .checkpoint import (
     ProjectConfiguration,
 )
 from .checkpoint.methods import CheckpointMethods
+from .collectives import CollectiveMethods
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
 from .item_count import ItemCount, scale_gradients
 from .kwargs_handlers import (
@@ -46,7 +47,7 @@ from .parallel.clipping import clip_grad_norm
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, skip_gradient_sync, unwrap
 from .parallel.engines import is_dtensor
-from .parallel.mesh import build_device_mesh, data_parallel_mesh, data_parallel_representatives
+from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
 from .planner import Plan
 from .precision import PrecisionPolicy
@@ -67,7 +68,7 @@ def _validate_accumulation_steps(value: Any) -> int:
     return value
 
 
-class Accelerator(CheckpointMethods):
+class Accelerator(CheckpointMethods, CollectiveMethods):
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
@@ -574,71 +575,6 @@ class Accelerator(CheckpointMethods):
         self.unscale_gradients()
         torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
-    # -- collectives -----------------------------------------------------------------------------
-    def gather(self, tensor: Any) -> Any:
-        return ops.gather(tensor)
-
-    def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
-        """Gather across processes, dropping the samples duplicated to even out the final batch.
-
-        Over a prepared evaluation loader the concatenated results hold exactly len(dataset) rows, in
-        every layout: tensor-parallel and pipeline peers, which read the same batches, count once.
-        """
-        representatives = data_parallel_representatives(self.device_mesh)
-        as_objects = use_gather_object or not _all_leaves_are_tensors(input_data)
-        if as_objects:
-            if representatives is None:
-                data = ops.gather_object(input_data)
-            else:  # tensor/pipeline peers hold copies of one dp rank's results: keep one of each
-                everyone: list[Any] = [None] * self.num_processes
-                torch.distributed.all_gather_object(everyone, input_data)
-                kept = [everyone[rank] for rank in representatives]
-                data = [item for obj in kept for item in obj] if isinstance(input_data, list) else kept
-        else:
-            data = ops.gather(input_data)
-            if representatives is not None:
-                data = ops.recursively_apply(
-                    lambda tensor: _rows_of(tensor, representatives, self.num_processes), data
-                )
-        remainder = self.gradient_state.remainder
-        if not self.gradient_state.end_of_dataloader or remainder < 0:
-            return data
-        if as_objects:  # one list of every process's items: the padding is at its end
-            return data[:remainder]
-        return ops.slice_tensors(data, slice(0, remainder))  # each tensor's rows, in any structure
-
-    def gather_object(self, obj: Any) -> list[Any]:
-        return ops.gather_object(obj)
-
-    def reduce(self, tensor: Any, reduction: str = "sum", scale: float = 1.0) -> Any:
-        """Reduce across processes ("sum" by default, as Accelerate's Accelerator.reduce)."""
-        return ops.reduce(tensor, reduction=reduction, scale=scale)
-
-    def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
-        return ops.broadcast(tensor, from_process=from_process)
-
-    def pad_across_processes(
-        self, tensor: Any, dim: int = 0, pad_index: int = 0, pad_first: bool = False
-    ) -> Any:
-        return ops.pad_across_processes(tensor, dim=dim, pad_index=pad_index, pad_first=pad_first)
-
-    def send_to_device(self, data: Any, non_blocking: bool = False) -> Any:
-        return ops.send_to_device(data, self.device, non_blocking=non_blocking)
-
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""
         self.wait_for_everyone()
-
-
-def _rows_of(tensor: torch.Tensor, ranks: list[int], num_processes: int) -> torch.Tensor:
-    """From a gather over all processes (equal row blocks in rank order), the blocks of `ranks`."""
-    blocks = tensor.view(num_processes, tensor.shape[0] // num_processes, *tensor.shape[1:])
-    return blocks[ranks].flatten(0, 1)
-
-
-def _all_leaves_are_tensors(data: Any) -> bool:
-    try:
-        ops.recursively_apply(lambda tensor: tensor, data, error_on_other_type=True)
-    except TypeError:
-        return False
-    return True

@@ -128,7 +128,18 @@ def evaluation_ids(accelerator: Accelerator) -> dict[str, list[int]]:
     for (ids,) in loader:
         tensors += accelerator.gather_for_metrics(ids).tolist()
         objects += accelerator.gather_for_metrics(ids.tolist(), use_gather_object=True)
-    return {"tensors": tensors, "objects": objects}
+    # reduce and gather count each data-parallel rank once too (its TP/PP peers hold copies)
+    dp_rank = torch.tensor([float(accelerator.data_parallel_index)])
+    return {
+        "tensors": tensors,
+        "objects": objects,
+        "gathered_dp_ranks": accelerator.gather(dp_rank).tolist(),
+        "reduced": {
+            reduction: accelerator.reduce(dp_rank + 1, reduction).item()
+            for reduction in ("sum", "mean", "max")
+        },
+        "dp_size": accelerator.parallelism.dp_size,
+    }
 
 
 def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> dict:
