@@ -78,9 +78,19 @@ def test_gather_for_metrics_returns_exactly_the_dataset(results):
         ]
 
 
+def test_get_state_dict_unwrap_false_keeps_the_wrappers_keys(results):
+    keys = results[0]["state_dict_keys"]  # the main process receives the consolidated dict
+    assert keys["unwrapped"] and not any(key.startswith("module.") for key in keys["unwrapped"])
+    assert keys["wrapped"] == keys["wrapper_state_dict"] == sorted("module." + k for k in keys["unwrapped"])
+    assert keys["same_values"]
+
+
 def test_bad_input_raises_on_every_rank(results):
     for rank_result in results:
         errors = rank_result["errors"]
+        assert errors["ddp_kwargs_under_fsdp"].startswith("ValueError"), errors["ddp_kwargs_under_fsdp"]
+        assert "find_unused_parameters=True" in errors["ddp_kwargs_under_fsdp"]
+        assert "dp_shard=" in errors["ddp_kwargs_under_fsdp"] and "FSDP2" in errors["ddp_kwargs_under_fsdp"]
         assert (
             errors["accumulation_zero"].startswith("ValueError")
             and "gradient_accumulation_steps=0" in errors["accumulation_zero"]

@@ -292,6 +292,7 @@ class Accelerator(CheckpointMethods, CollectiveMethods):
                 "loss scaler needs every stage's gradients on one rank to decide a skip. Use "
                 "mixed_precision='bf16' (no scaler) or a layout without pp_size."
             )
+        self._check_ddp_kwargs_apply()
         if device_placement is None:
             device_placement = self.device_placement
         if device_placement:
@@ -309,6 +310,20 @@ class Accelerator(CheckpointMethods, CollectiveMethods):
         self._remember(model, prepared)
         self._models.append(prepared)
         return prepared
+
+    def _check_ddp_kwargs_apply(self) -> None:
+        """DistributedDataParallelKwargs configure DDP; a layout whose replicas run on FSDP2 (ZeRO-2/3,
+        HSDP, and any data parallelism beside tensor or pipeline parallelism) has no DDP to give them
+        to. One process has no wrapper at all, so the same script still runs there unchanged."""
+        engine = data_parallel_engine(self.parallelism)
+        if self.ddp_kwargs and engine not in ("ddp", "none"):
+            options = ", ".join(f"{name}={value!r}" for name, value in self.ddp_kwargs.items())
+            raise ValueError(
+                f"DistributedDataParallelKwargs({options}) configure DDP, but the layout "
+                f"{self.parallelism.describe()} trains its data-parallel replicas with "
+                f"{'FSDP2' if engine == 'fsdp' else 'torch.nn.DataParallel'}, which has no such options. "
+                "Drop the DDP options for this layout, or use parallelism='ddp' or 'zero1' (DDP underneath)."
+            )
 
     def _check_no_optimizer_holds(self, replaced: dict[int, torch.nn.Parameter | None]) -> None:
         """An optimizer prepared before its model would keep updating the parameters sharding replaced."""

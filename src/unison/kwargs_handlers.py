@@ -25,7 +25,11 @@ class _KwargsHandler:
 
 @dataclass
 class DistributedDataParallelKwargs(_KwargsHandler):
-    """Options for torch.nn.parallel.DistributedDataParallel (torch's defaults)."""
+    """Options for torch.nn.parallel.DistributedDataParallel (torch's defaults).
+
+    Applied where the layout runs DDP (ddp, zero1); refused with a ValueError by layouts whose replicas
+    run on FSDP2 (ZeRO-2/3, HSDP, data parallelism beside tensor or pipeline parallelism), which have
+    no such options; ignored by a single process, which has no wrapper."""
 
     dim: int = 0
     broadcast_buffers: bool = True

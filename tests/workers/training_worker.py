@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Accelerator
+from unison import Accelerator, DistributedDataParallelKwargs
 from unison.ops import gather
 
 STEPS = 5
@@ -191,11 +191,32 @@ def error_of(function) -> str | None:
     return None
 
 
+def state_dict_keys() -> dict:
+    """get_state_dict's keys: the user's module's, or with unwrap=False the DDP wrapper's own."""
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(make_model())
+    unwrapped, wrapped = accelerator.get_state_dict(model), accelerator.get_state_dict(model, unwrap=False)
+    return {
+        "unwrapped": sorted(unwrapped),
+        "wrapped": sorted(wrapped),
+        "wrapper_state_dict": sorted(model.state_dict()),
+        "same_values": all(
+            torch.equal(unwrapped[key.removeprefix("module.")], wrapped[key]) for key in wrapped
+        ),
+    }
+
+
 def bad_inputs() -> dict:
     accelerator = Accelerator(cpu=True)
     model = make_model()
     accelerator.prepare(model)
+    ddp_options = [DistributedDataParallelKwargs(find_unused_parameters=True)]
     return {
+        "ddp_kwargs_under_fsdp": error_of(
+            lambda: Accelerator(cpu=True, parallelism="zero3", kwargs_handlers=ddp_options).prepare(
+                make_model()
+            )
+        ),
         "accumulation_zero": error_of(lambda: Accelerator(gradient_accumulation_steps=0)),
         "unknown_precision": error_of(lambda: Accelerator(mixed_precision="fp8")),
         "conflicting_precision": error_of(lambda: Accelerator(mixed_precision="bf16")),
@@ -216,6 +237,7 @@ def main() -> None:
         "end_of_loader_sync": sync_pattern_at_end_of_loader(),
         "gather_for_metrics": gather_for_metrics_rows(),
         "short_final_window": short_final_window(),
+        "state_dict_keys": state_dict_keys(),
         "errors": bad_inputs(),
     }
     (out_dir / f"rank{accelerator.process_index}.json").write_text(json.dumps(result))

@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..parallel.ddp import wrapper_prefix
 from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
 from .training_state import load_training_state, save_training_state
 from .weights import consolidated_state_dict, save_consolidated_weights
@@ -93,10 +94,15 @@ class CheckpointMethods:
         """The consolidated, unsharded state dict of `model` with the user's keys, from any layout.
 
         Collective under sharded layouts: call it on every process. The main process receives the
-        full tensors on CPU; the others get an empty dict (Accelerate's behaviour for FSDP).
+        full tensors on CPU; the others get an empty dict (Accelerate's behaviour for FSDP). With
+        unwrap=False the keys are those of the wrapper unison put around the model (DDP's "module."),
+        as its own state_dict() names them.
         """
-        del unwrap  # the keys are always the unwrapped model's (Accelerate's default)
-        return consolidated_state_dict(model)
+        state = consolidated_state_dict(model)
+        if unwrap:
+            return state
+        prefix = wrapper_prefix(model)  # unwrap=False: the keys of the wrapper's own state_dict()
+        return {prefix + key: value for key, value in state.items()}
 
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True

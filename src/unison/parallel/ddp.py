@@ -64,6 +64,18 @@ def skip_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+def wrapper_prefix(model: torch.nn.Module) -> str:
+    """What the wrappers around the user's module add to its state-dict keys ("module." for DDP)."""
+    prefix = ""
+    while True:
+        if isinstance(model, DistributedDataParallel | torch.nn.DataParallel):
+            prefix, model = prefix + "module.", model.module
+        elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
+            prefix, model = prefix + "_orig_mod.", model._orig_mod
+        else:
+            return prefix
+
+
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     """The user's module inside any wrapper unison (or torch.compile) put around it."""
     while True:
