@@ -6,7 +6,13 @@ import pytest
 import torch
 from torch import nn
 
-from unison import Accelerator, AcceleratorState, GradientState, GradScalerKwargs, PartialState
+from unison import (
+    Accelerator,
+    AcceleratorState,
+    GradientState,
+    GradScalerKwargs,
+    PartialState,
+)
 
 # Each test builds its own Accelerator (one precision per process), so each starts from no state.
 pytestmark = pytest.mark.usefixtures("fresh_state")

@@ -8,7 +8,7 @@ import pytest
 import torch
 from launching import launch_ok
 
-from unison import launch_env
+from unison import Accelerator, InitProcessGroupKwargs, launch_env
 from unison.state import AcceleratorState, DistributedType, PartialState, split_for_process
 
 WORKER = "tests/workers/state_worker.py"
@@ -185,3 +185,15 @@ def test_split_for_process_bad_inputs():
         split_for_process({"a": [1, 2], "b": [1, 2, 3]}, 2, 0)
     with pytest.raises(TypeError, match="cannot split a set"):
         split_for_process({1, 2, 3}, 2, 0)
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_process_group_options_that_cannot_apply_are_refused():
+    """Accelerate's InitProcessGroupKwargs: the backend follows the device and the group forms from the
+    launcher's environment, so another backend or an init_method is refused, naming the fix."""
+    with pytest.raises(ValueError, match=r"backend='nccl'\): this run's process group uses 'gloo'"):
+        Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(backend="nccl")])
+    with pytest.raises(ValueError, match=r"init_method='tcp://10.0.0.1:23456'.*--master-addr"):
+        Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(init_method="tcp://10.0.0.1:23456")])
+    accepted = [InitProcessGroupKwargs(backend="gloo", init_method="env://")]
+    assert Accelerator(cpu=True, kwargs_handlers=accepted).state.backend == "gloo"

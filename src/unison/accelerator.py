@@ -32,6 +32,7 @@ from .kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    check_process_group_kwargs,
     sort_kwargs_handlers,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
@@ -100,6 +101,9 @@ class Accelerator(CheckpointMethods, CollectiveMethods):
         if timeout is None and InitProcessGroupKwargs in handlers:
             timeout = handlers[InitProcessGroupKwargs].timeout
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, timeout=timeout)
+        check_process_group_kwargs(
+            handlers.get(InitProcessGroupKwargs), self.state.backend, self.state.device
+        )
         self.gradient_state = GradientState(gradient_accumulation_steps=self.gradient_accumulation_steps)
         self.device_placement = device_placement
         self.split_batches = split_batches

@@ -53,9 +53,36 @@ class GradScalerKwargs(_KwargsHandler):
 
 @dataclass
 class InitProcessGroupKwargs(_KwargsHandler):
-    """Options for the process group; only the timeout is honoured (the backend follows the device)."""
+    """Options for the process group, under Accelerate's names.
 
+    timeout is the collectives' limit. The backend follows the device (NCCL on GPUs, gloo on CPUs) and
+    the group forms from the launcher's rendezvous (RANK, WORLD_SIZE, MASTER_ADDR/PORT, or SLURM's),
+    so `backend` may only name the backend the run uses and `init_method` only "env://": anything
+    else is refused (see check_process_group_kwargs) rather than silently not applied.
+    """
+
+    backend: str | None = None
+    init_method: str | None = None
     timeout: timedelta | None = None
+
+
+def check_process_group_kwargs(kwargs: InitProcessGroupKwargs | None, backend: str, device: Any) -> None:
+    """Refuse the InitProcessGroupKwargs this run cannot apply, naming the option and the fix."""
+    if kwargs is None:
+        return
+    if kwargs.backend is not None and kwargs.backend != backend:
+        raise ValueError(
+            f"InitProcessGroupKwargs(backend={kwargs.backend!r}): this run's process group uses {backend!r}, "
+            f"the backend for its device ({device}): unison picks NCCL for GPUs and gloo for CPUs. Drop "
+            "backend=, or run on the device the backend is for (--cpu for gloo)."
+        )
+    if kwargs.init_method not in (None, "env://"):
+        raise ValueError(
+            f"InitProcessGroupKwargs(init_method={kwargs.init_method!r}): unison forms the process group "
+            "from the launcher's environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, or SLURM's), "
+            "as init_method='env://' does. Drop init_method= and pass the address to the launcher: "
+            "`unison launch --master-addr HOST --master-port PORT ...`."
+        )
 
 
 KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)
