@@ -227,8 +227,17 @@ def test_project_configuration_has_accelerates_defaults_and_checks_total_limit(t
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=rf"total_limit={bad!r} is not allowed"):
             ProjectConfiguration(project_dir="p", total_limit=bad)
-    with pytest.raises(ValueError, match=r"iteration=-1 is not allowed"):
-        ProjectConfiguration(iteration=-1)
+    # what unison cannot honour is refused, not ignored; automatic naming is what it always does
+    for bad in (-1, 3):
+        with pytest.raises(
+            ValueError, match=rf"iteration={bad}\): unison names checkpoints by optimizer step"
+        ):
+            ProjectConfiguration(iteration=bad)
+    with pytest.raises(ValueError, match=r"save_on_each_node=True\): .* shared by the nodes"):
+        ProjectConfiguration(save_on_each_node=True)
+    assert ProjectConfiguration(project_dir="p", automatic_checkpoint_naming=True).checkpoints_dir == Path(
+        "p/checkpoints"
+    )
 
 
 def test_two_processes_write_one_checkpoint_and_a_killed_save_leaves_the_previous_intact(tmp_path):

@@ -55,8 +55,15 @@ class CheckpointError(ValueError):
 class ProjectConfiguration:
     """Where a project's checkpoints and logs go (Accelerate's fields and defaults).
 
-    With automatic_checkpoint_naming, saves go to `project_dir/checkpoints/checkpoint_<step>` and at
-    most `total_limit` of them are kept (the oldest are removed). logging_dir defaults to project_dir.
+    `save_state()` without a directory always names the checkpoint itself:
+    `project_dir/checkpoints/checkpoint_<optimizer step>`, keeping at most `total_limit` of them (the
+    oldest are removed); `load_state()` without one loads the newest complete one. So
+    automatic_checkpoint_naming=True, which asks Accelerate for that, changes nothing here (scripts
+    that set it run as they are). Two fields this layout cannot honour are refused rather than
+    ignored: `iteration` (names count optimizer steps, so a resumed run names its saves on from where
+    it is; a save counter to start from has no meaning) and `save_on_each_node` (process 0 writes
+    each checkpoint into one directory every process reads: a filesystem shared by the nodes).
+    logging_dir defaults to project_dir.
     """
 
     project_dir: str | None = None
@@ -71,10 +78,18 @@ class ProjectConfiguration:
             self.logging_dir = self.project_dir
         if self.total_limit is not None:
             _check_total_limit(self.total_limit)
-        if isinstance(self.iteration, bool) or not isinstance(self.iteration, int) or self.iteration < 0:
+        if self.iteration != 0 or isinstance(self.iteration, bool):
             raise ValueError(
-                f"ProjectConfiguration: iteration={self.iteration!r} is not allowed: it counts the saves "
-                "made so far and must be an integer >= 0. Leave it at 0 for a new project."
+                f"ProjectConfiguration(iteration={self.iteration!r}): unison names checkpoints by optimizer "
+                "step (checkpoints/checkpoint_<step>), and a resumed run goes on from the step it loaded, "
+                "so there is no save counter to set. Leave iteration at 0."
+            )
+        if self.save_on_each_node:
+            raise ValueError(
+                "ProjectConfiguration(save_on_each_node=True): unison writes each checkpoint once, from "
+                "process 0, into a directory every process reads, which needs a filesystem shared by the "
+                "nodes; it does not write a copy per node. Leave save_on_each_node=False and put "
+                "project_dir on a shared filesystem."
             )
 
     def set_directories(self, project_dir: str | os.PathLike | None = None) -> None:
