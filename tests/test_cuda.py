@@ -98,3 +98,24 @@ def test_legacy_data_parallel_matches_one_gpu():
         reference_optimizer.zero_grad()
     for got, want in zip(model.module.parameters(), reference.parameters(), strict=True):
         assert (got - want).abs().max().item() < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 or more CUDA GPUs")
+def test_cuda_rng_synchronisation_gives_each_process_process_0s_device_state(tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from launching import REPO_ROOT, WORKERS
+
+    command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", "2"]  # on the GPUs: no --cpu
+    result = subprocess.run(
+        [*command, str(WORKERS / "cuda_rng_worker.py"), str(tmp_path)],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text())["drawn"] for rank in range(2)]
+    assert drawn[0] == drawn[1]

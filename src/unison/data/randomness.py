@@ -117,10 +117,16 @@ def synchronize_rng_states(rng_types: Sequence[str], generator: torch.Generator 
     DataLoader's own `generator`, which seeds its worker processes)."""
     if PartialState().num_processes == 1 or not rng_types:
         return
-    states = {name: state for name, state in get_rng_state().items() if name in rng_types}
+    states = {name: state for name, state in get_rng_state().items() if name in rng_types and name != "cuda"}
+    if "cuda" in rng_types and torch.cuda.is_available():
+        # the state of the device process 0 computes on, for the device each process computes on (a list
+        # of every device's state would give process r process 0's state of device r, never used there)
+        states["cuda_current_device"] = torch.cuda.get_rng_state()
     if "generator" in rng_types and generator is not None:
         states["generator"] = generator.get_state()
     states = ops.broadcast_object_list([states], from_process=0)[0]
     if "generator" in states and generator is not None:
         generator.set_state(states.pop("generator"))
+    if "cuda_current_device" in states:
+        torch.cuda.set_rng_state(states.pop("cuda_current_device"))
     set_rng_state(states)
