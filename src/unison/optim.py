@@ -10,9 +10,11 @@ of processes: the schedule is written in optimizer steps and means the same on 1
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .state import GradientState
 
@@ -58,6 +60,34 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         self.optimizer.add_param_group(param_group)
+
+    # -- torch.optim.Optimizer's hooks: registered on the wrapped optimizer, which runs them when it
+    # really steps or saves (hooks receive it, the optimizer that does the work) ---------------------
+    def register_step_pre_hook(self, hook: Callable) -> RemovableHandle:
+        return self.optimizer.register_step_pre_hook(hook)
+
+    def register_step_post_hook(self, hook: Callable) -> RemovableHandle:
+        return self.optimizer.register_step_post_hook(hook)
+
+    def register_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_state_dict_pre_hook(hook, prepend=prepend)
+
+    def register_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_state_dict_post_hook(hook, prepend=prepend)
+
+    def register_load_state_dict_pre_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_load_state_dict_pre_hook(hook, prepend=prepend)
+
+    def register_load_state_dict_post_hook(self, hook: Callable, prepend: bool = False) -> RemovableHandle:
+        return self.optimizer.register_load_state_dict_post_hook(hook, prepend=prepend)
+
+    # Optimizer pickles only defaults/state/param_groups and rebuilds its own fields on load; this
+    # wrapper's fields are its whole state (copy.deepcopy, pickle).
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
 
     # -- the calls that accumulation gates ------------------------------------------------------
     def zero_grad(self, set_to_none: bool = True) -> None:
