@@ -60,6 +60,15 @@ def test_adamw_matches_reference_and_memory_follows_design_formulas(report, stag
         assert abs(sum(measured) - sum(expected)) <= 0.05 * sum(expected)
 
 
+def test_a_frozen_model_is_sharded_under_zero3_too(report):
+    """A teacher or reference model (no trainable parameters) was left whole on every rank."""
+    for rank, runs in enumerate(report["ranks"]):
+        teacher = runs["frozen_teacher"]
+        assert teacher["all_dtensor"], (rank, teacher)
+        assert teacher["local_fraction"] == pytest.approx(1 / report["world"], abs=0.02), (rank, teacher)
+        assert teacher["max_abs_diff"] < 1e-6, (rank, teacher)
+
+
 def test_find_blocks_picks_the_largest_uniform_list_and_user_blocks_override():
     class Block(nn.Module):
         def __init__(self, width):

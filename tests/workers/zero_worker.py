@@ -26,7 +26,7 @@ from tiny_gpt import local_bytes, make_optimizer, make_tiny_gpt, optimizer_state
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from unison import PartialState
+from unison import Accelerator, PartialState
 from unison.parallel.ddp import skip_gradient_sync
 from unison.parallel.zero import apply_zero, full_state_dict, shard_optimizer_state
 
@@ -115,6 +115,23 @@ def run(stage: int, optimizer_name: str, accumulation: int, rank: int, world: in
     }
 
 
+def frozen_teacher() -> dict:
+    """A model with no trainable parameters (a teacher, a reference model) prepared under ZeRO-3: its
+    parameters are sharded like a trained model's, and its forward is the plain model's."""
+    accelerator = Accelerator(cpu=True, parallelism="zero3")
+    plain = make_model().requires_grad_(False)
+    teacher = accelerator.prepare(make_model().requires_grad_(False))
+    tokens = torch.randint(0, 32, (2, BLOCK), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        difference = (teacher(tokens)[0] - plain(tokens)[0]).abs().max().item()
+    return {
+        "all_dtensor": all(isinstance(p, DTensor) for p in teacher.parameters()),
+        "local_fraction": sum(local_bytes(p) for p in unique_params(teacher))
+        / sum(local_bytes(p) for p in unique_params(plain)),
+        "max_abs_diff": difference,
+    }
+
+
 def main() -> None:
     state = PartialState()
     rank, world = state.process_index, state.num_processes
@@ -123,6 +140,7 @@ def main() -> None:
         for accumulation in (1, 2):
             runs[f"zero{stage}_sgd_acc{accumulation}"] = run(stage, "sgd", accumulation, rank, world)
         runs[f"zero{stage}_adamw_acc1"] = run(stage, "adamw", 1, rank, world)
+    runs["frozen_teacher"] = frozen_teacher()
     everyone = [None] * world
     dist.all_gather_object(everyone, runs)
     if rank == 0:

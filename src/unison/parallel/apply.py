@@ -106,7 +106,10 @@ def _parallelize_part(
             loss_parallel=config.loss_parallel and builtin,
         )
     engine = data_parallel_engine(config)
-    if engine == "none" or not any(p.requires_grad for p in model.parameters()):
+    trainable = any(p.requires_grad for p in model.parameters())
+    # A frozen model (a teacher, a reference model) has nothing for DDP to synchronise, and DDP refuses
+    # it: it stays whole, as replicas are. FSDP2 shards it like any other, so ZeRO-3's memory holds.
+    if engine == "none" or (not trainable and engine != "fsdp"):
         return model
     if engine == "dataparallel":
         return wrap_data_parallel(model)
