@@ -9,6 +9,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -129,17 +130,35 @@ def test_windows_are_shifted_pairs_that_tile_the_text_and_the_split_is_90_10():
         data_lib.CharWindows(torch.arange(16), block_size=16)
 
 
-def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_steps():
+def _saves(out: str) -> list[tuple[int, str, float]]:
+    """(step, path, MB) of each "saved <path> (<size> MB) in <seconds> s" line."""
+    pattern = r"step +(\d+)/\d+ \| saved (\S+) \((\d+\.\d) MB\) in \d+\.\d\d s$"
+    return [(int(step), path, float(mb)) for step, path, mb in re.findall(pattern, out, flags=re.M)]
+
+
+def _megabytes(directory: Path) -> float:
+    assert directory.is_dir(), directory
+    return sum(f.stat().st_size for f in directory.rglob("*") if f.is_file()) / 1e6
+
+
+def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_steps(tmp_path):
     result = launch_ok(
         EXAMPLE / "train.py",
         2,
         *("--max-steps", 6, "--batch-size", 4, "--block-size", 16, "--n-layer", 1, "--n-head", 2),
         *("--n-embd", 32, "--log-interval", 2, "--eval-interval", 3, "--eval-batches", 2),
-        *("--sample-chars", 40, "--warmup-steps", 2),
+        *("--sample-chars", 40, "--warmup-steps", 2, "--project-dir", tmp_path, "--resume"),
         launch_args=("--gradient-accumulation-steps", "2"),  # reaches Accelerator() through the env
         timeout=120,
     )
     lines = result.stdout.splitlines()
+    # --resume with no checkpoint says so; the one save (--save-every 100: only the last step) is reported
+    # with its path, size and time; every such line comes from the main process alone
+    assert f"[rank0]: --resume: no checkpoint in {tmp_path}/checkpoints, starting at step 0" in lines
+    checkpoint_6 = tmp_path / "checkpoints" / "checkpoint_6"
+    [(step, path, mb)] = _saves(result.stdout)
+    assert (step, path) == (6, str(checkpoint_6)) and mb == pytest.approx(_megabytes(checkpoint_6), abs=0.05)
+    assert sum("| saved " in line or "--resume" in line for line in lines) == 2, result.stdout
     loss_lines = [line for line in lines if "| loss " in line]
     val_lines = [line for line in lines if "| val loss " in line]
     assert len(loss_lines) == 4 and len(val_lines) == 2, result.stdout
@@ -182,26 +201,30 @@ def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
     first = train("--resume")  # nothing to resume yet: says so and starts at step 0
     assert f"--resume: no checkpoint in {tmp_path}/checkpoints, starting at step 0" in first
     assert "trained 6 steps (steps 1-6, " in first
-    # each save is reported with its path, its size on disk and its time
-    saves = re.findall(r"step +(\d)/6 \| saved (\S+) \((\d+\.\d) MB\) in \d+\.\d\d s", first)
-    assert [(int(step), path) for step, path, _ in saves] == [
-        (step, str(tmp_path / "checkpoints" / f"checkpoint_{step}")) for step in (2, 4, 6)
+    # each save is reported with its path, its size on disk and its time; the newest two are kept
+    checkpoints = tmp_path / "checkpoints"
+    saves = _saves(first)
+    assert [(step, path) for step, path, _ in saves] == [
+        (n, str(checkpoints / f"checkpoint_{n}")) for n in (2, 4, 6)
     ]
-    real_mb = sum(
-        f.stat().st_size for f in (tmp_path / "checkpoints" / "checkpoint_6").rglob("*") if f.is_file()
-    )
-    assert float(saves[-1][2]) == pytest.approx(real_mb / 1e6, abs=0.05)
+    assert not (checkpoints / "checkpoint_2").exists()
+    for step, path, mb in saves[1:]:
+        assert mb == pytest.approx(_megabytes(Path(path)), abs=0.05), (step, mb)
 
-    shutil.rmtree(tmp_path / "checkpoints" / "checkpoint_6")
+    shutil.rmtree(checkpoints / "checkpoint_6")
     resumed = train("--resume")
-    assert f"resumed from {tmp_path / 'checkpoints' / 'checkpoint_4'} at step 4, epoch 0" in resumed
+    assert f"resumed from {checkpoints / 'checkpoint_4'} at step 4, epoch 0" in resumed
     assert [line for line in resumed.splitlines() if "| loss " in line][0].startswith("step     5/6")
     assert "trained 2 steps (steps 5-6, " in resumed  # this run's steps, not the run's total
-    finished = train("--resume")  # a finished run: nothing left, and it says so
-    assert (
-        "resumed from" in finished and "nothing to train: the run is at step 6 of --max-steps 6" in finished
+    [(step, path, mb)] = _saves(resumed)
+    assert (step, path) == (6, str(checkpoints / "checkpoint_6")) and mb == pytest.approx(
+        _megabytes(checkpoints / "checkpoint_6"), abs=0.05
     )
-    assert "| loss " not in finished
+
+    finished = train("--resume")  # a finished run: nothing left to train, and it says so
+    assert f"resumed from {checkpoints / 'checkpoint_6'} at step 6, epoch 0" in finished
+    assert "nothing to train: the run is at step 6 of --max-steps 6" in finished
+    assert "| loss " not in finished and "| saved " not in finished and "trained " not in finished
 
     def tail(out: str) -> list[str]:  # the loss and val loss lines of steps 5 and 6, without timings
         lines = [
@@ -212,15 +235,31 @@ def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
     assert tail(resumed) == tail(first) and len(tail(first)) == 3
 
 
-def test_train_py_help_shows_every_default():
-    result = subprocess.run(
-        [sys.executable, str(EXAMPLE / "train.py"), "--help"], capture_output=True, text=True, timeout=60
-    )
-    assert result.returncode == 0, result.stderr
-    text = " ".join(result.stdout.split())  # argparse wraps lines
-    for default in ("(default: 300)", "(default: 32)", "(default: 0.003)", "(default: runs/gpt)"):
-        assert default in text, default
-    assert "(default: None)" not in text and "(default: False)" not in text
+def test_train_py_help_gives_every_option_a_help_text_and_shows_every_default(monkeypatch, capsys):
+    """In-process (a subprocess would spend its time importing torch): train.py's own parse_args()."""
+    monkeypatch.setitem(sys.modules, "data", data_lib)  # train.py imports its neighbours by these names
+    monkeypatch.setitem(sys.modules, "model", model_lib)
+    train_lib = _load("train")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    defaults = vars(train_lib.parse_args())
+    monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+    with pytest.raises(SystemExit) as stop:
+        train_lib.parse_args()
+    assert stop.value.code == 0
+    usage = capsys.readouterr().out
+    options = re.split(r"\n  (?=-)", usage.split("\noptions:\n", 1)[1])
+    assert len(options) == len(defaults) + 1  # and -h, --help
+    for option in options:
+        text = " ".join(option.split())  # argparse wraps lines
+        # the flag, its metavar (MAX_STEPS, {no,bf16,fp16}) if it takes a value, then a help text
+        flag = re.match(r"(-h, )?--([\w-]+)( [A-Z_]+| \{[^}]*\})? \S*[a-z]", text)
+        assert flag, text
+        name = flag.group(2)
+        default = defaults.get(name.replace("-", "_"))
+        if default is not None and default is not False:
+            assert text.endswith(f"(default: {default})"), text
+        else:  # unset means "the launcher's", "the stdlib source", "off": said in the help, not as None
+            assert "(default: None)" not in text and "(default: False)" not in text, text
 
 
 def _logged_losses(result) -> list[float]:

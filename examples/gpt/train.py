@@ -49,7 +49,7 @@ def parse_args() -> argparse.Namespace:
     arg("--n-layer", type=int, default=4, help="transformer blocks")
     arg("--n-head", type=int, default=4, help="attention heads per block")
     arg("--n-embd", type=int, default=128, help="width of the residual stream")
-    arg("--dropout", type=float, default=0.0, help="dropout probability (0: none)")
+    arg("--dropout", type=float, default=0.0, help="dropout probability")
     arg("--lr", type=float, default=3e-3, help="peak learning rate")
     arg("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr * this")
     arg("--warmup-steps", type=int, default=30, help="optimizer steps of linear warmup")
@@ -60,21 +60,21 @@ def parse_args() -> argparse.Namespace:
         default=None,
         help="micro-batches per optimizer step (default: the launcher's, else 1)",
     )
-    arg("--mixed-precision", choices=["no", "bf16", "fp16"], default=None, help="default: the launcher's")
+    arg("--mixed-precision", choices=["no", "bf16", "fp16"], help="default: the launcher's, else no")
     arg("--cpu", action="store_true", help="train on the CPU even if a GPU is visible")
     arg("--seed", type=int, default=1337, help="seeds the weights, the shuffle and the sample")
     arg("--project-dir", default="runs/gpt", help="checkpoints go to PROJECT_DIR/checkpoints/")
-    arg("--save-every", type=int, default=100, help="save a checkpoint every N steps (0: never)")
+    arg("--save-every", type=int, default=100, help="checkpoint every N steps and at the end; 0: never")
     arg("--resume", action="store_true", help="continue from the newest checkpoint in --project-dir, if any")
     arg("--log-interval", type=int, default=20, help="print the training loss every N steps")
     arg(
         "--eval-interval",
         type=int,
         default=100,
-        help="print the validation loss every N steps (and at the end)",
+        help="print the validation loss every N steps and at the end",
     )
     arg("--eval-batches", type=int, default=8, help="validation batches per process for each evaluation")
-    arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end (0: none)")
+    arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end; 0: none")
     return parser.parse_args()
 
 
@@ -235,7 +235,7 @@ def main() -> None:
                 val_loss = evaluate(model, val_dl, accelerator)
                 accelerator.print(f"step {step:5d}/{args.max_steps} | val loss {val_loss:.4f}")
                 last_log += time.perf_counter() - began  # evaluation time does not count against tokens/s
-            if args.save_every and step % args.save_every == 0:
+            if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
                 began = time.perf_counter()
                 path = accelerator.save_state()  # every process takes part; the main process writes
                 seconds = time.perf_counter() - began
