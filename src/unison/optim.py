@@ -153,11 +153,13 @@ class AcceleratedScheduler:
             return
         if any(optimizer.step_was_skipped for optimizer in self.optimizers):
             return  # fp16 overflow: the optimizer did not step, so neither does the schedule
+        if not self._drives_a_rebuilt_optimizer():
+            self.scheduler.step(*args, **kwargs)
+            return
         with warnings.catch_warnings():
-            if self._drives_a_rebuilt_optimizer():
-                # torch checks that the scheduler's optimizer stepped first; the one that stepped is
-                # the rebuilt one, which shares its param groups, so the check looks at the wrong object
-                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            # torch checks that the scheduler's optimizer stepped first; the one that stepped is the
+            # rebuilt one, which shares its param groups, so the check looks at the wrong object
+            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
             self.scheduler.step(*args, **kwargs)
 
     def _drives_a_rebuilt_optimizer(self) -> bool:
