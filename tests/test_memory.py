@@ -58,15 +58,44 @@ def test_model_state_matches_hand_computed_bytes_for_1000_parameters():
     assert by["zero1", "fp32"] == (4000, 4000, 2000)  # 8,000 + 2,000
     assert by["zero2", "fp32"] == (4000, 1000, 2000)  # 4,000 + 3,000
     assert by["zero3", "fp32"] == by["tp", "fp32"] == by["pp", "fp32"] == (1000, 1000, 2000)  # 4,000
-    assert by["ddp", "bf16-mixed"] == (2000, 2000, 12000)  # ZeRO paper: 2 + 2 + 12 = 16 bytes/param
-    assert by["zero1", "bf16-mixed"] == (2000, 2000, 3000)
-    assert by["zero3", "bf16-mixed"] == (500, 500, 3000)
+    # mixed_precision="bf16" is autocast over fp32 weights: fp32 state, as fp32 (not the ZeRO paper's 2+2+12)
+    assert all(by[s, "bf16-mixed"] == by[s, "fp32"] for s, _, _ in memory.STRATEGIES)
+    bf16_mixed = next(p for p in memory.PRECISIONS if p.name == "bf16-mixed")
+    assert (
+        memory.autocast_copy_bytes(bf16_mixed, 1000) == 2000 and memory.autocast_copy_bytes(FP32, 1000) == 0
+    )
     assert by["ddp", "bf16"] == (2000, 2000, 4000)
     # frozen parameters carry no gradients and no Adam state; shards round up like padded shards
     assert memory.model_state_bytes("ddp", FP32, 1000, 600, 4) == (4000, 2400, 4800)
     assert memory.model_state_bytes("zero3", FP32, 1001, 1001, 4) == (1004, 1004, 2008)
     with pytest.raises(ValueError, match="unknown strategy 'zero4'"):
         memory.model_state_bytes("zero4", FP32, 1000, 1000, 4)
+
+
+def test_bf16_autocast_keeps_a_bf16_copy_of_every_weight_for_backward():
+    """What bf16-mixed's autocast_copy_bytes prices, measured: the bytes autograd saves that are bf16
+    casts of the model's weights (a Llama from examples/llama, every Linear after the embedding)."""
+    from tiny_gpt import llama_model
+
+    config = llama_model.LlamaConfig(
+        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=48
+    )
+    model = llama_model.LlamaForCausalLM(config)
+    weights = {tuple(m.weight.shape) for m in model.modules() if isinstance(m, nn.Linear)}
+    weights |= {shape[::-1] for shape in weights}  # matmuls may save the transposed view
+    linear_parameters = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    saved: dict[int, torch.Tensor] = {}
+
+    def keep(tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dtype == torch.bfloat16 and tuple(tensor.shape) in weights:
+            saved[tensor.untyped_storage().data_ptr()] = tensor
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            model(torch.randint(0, 64, (2, 8)))
+    cast_bytes = sum(t.numel() * t.element_size() for t in saved.values())
+    assert cast_bytes == memory.autocast_copy_bytes(BF16_MIXED, linear_parameters) == 2 * linear_parameters
 
 
 def test_activation_formula_is_korthikanti_34sbh_in_16_bit():
@@ -126,7 +155,9 @@ def test_7b_llama_like_builds_on_meta_instantly(tmp_path):
     )
     unit = 2 * vocab * hidden + hidden  # embedding, output layer and final norm: larger than a block
     assert shape.largest_unit == unit
-    assert row.total == 16 * expected // 8 + (2 + 2) * unit  # FSDP2 holds that unit's params and grads whole
+    # FSDP2 holds that unit's fp32 params and grads whole; autocast's bf16 casts of every weight are whole too
+    assert row.total == 16 * expected // 8 + (4 + 4) * unit + 2 * expected
+    assert row.parameters == 4 * expected // 8 + 4 * unit + 2 * expected
 
 
 FACTORIES = """\

@@ -6,8 +6,10 @@ live here, in one place, so the `estimate-memory` command and the planner agree.
 
 Model state (design.md §3; Rajbhandari et al. 2020, "ZeRO", section 3.1), with Ψ the parameter count,
 N the number of devices, and per precision p/g/o = bytes per parameter of parameters, gradients and
-Adam state (fp32: 4/4/8; bf16 mixed precision with fp32 master weights: 2/2/12, the ZeRO paper's
-2+2+K with K=12; plain bf16 with bf16 Adam moments: 2/2/4):
+Adam state, priced as unison runs each precision: fp32 4/4/8; bf16-mixed (mixed_precision="bf16": autocast
+over fp32 parameters, so fp32 gradients and Adam moments, and FSDP2 gathers fp32) also 4/4/8, only the
+activations are 16-bit; plain bf16 (a model cast to bfloat16, so bf16 gradients and Adam moments)
+2/2/4. (The ZeRO paper's 2+2+12, bf16 parameters beside fp32 master weights, is not a mode unison has.)
 
     single device, DDP   pΨ + gΨ + oΨ
     ZeRO-1               pΨ + gΨ + oΨ/N
@@ -16,6 +18,12 @@ Adam state (fp32: 4/4/8; bf16 mixed precision with fp32 master weights: 2/2/12, 
     TP, PP of degree N   ~(p + g + o)Ψ/N   (an estimate: layer norms, biases and uneven stages differ)
 
 Gradients and Adam state count only trainable parameters; Ψ/N is rounded up, as sharding pads.
+
+Autocast's copies (bf16-mixed only): under autocast every matmul casts its fp32 weight to bf16 and keeps
+that copy for backward, so from the end of forward until backward reaches it a device holds 2 bytes per
+trainable parameter it computes with: Ψ under DDP and ZeRO-1/2, Ψ under ZeRO-3 too (FSDP2 frees its
+gathered fp32 weights after forward, not the casts saved from them), Ψ/N under TP and PP. Counted with
+the parameters. With activation checkpointing only the recomputed block's copies exist at a time.
 
 Activations per device (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4), for a transformer of L blocks with hidden size h, sequence length s
@@ -59,15 +67,18 @@ class Precision:
     name: str
     param_bytes: int
     grad_bytes: int
-    optimizer_bytes: int  # Adam: first and second moment (+ fp32 master weights in mixed precision)
+    optimizer_bytes: int  # Adam: first and second moment
     activation_bytes: int
+    autocast_copy_bytes: int  # per trainable parameter: autocast's 16-bit casts kept for backward
     description: str
 
 
 PRECISIONS: tuple[Precision, ...] = (
-    Precision("fp32", 4, 4, 8, 4, "fp32 parameters, gradients and Adam moments"),
-    Precision("bf16-mixed", 2, 2, 12, 2, "bf16 params/grads, fp32 master weights + Adam (ZeRO paper)"),
-    Precision("bf16", 2, 2, 4, 2, "bf16 everywhere, no master weights (bf16 Adam moments)"),
+    Precision("fp32", 4, 4, 8, 4, 0, "fp32 parameters, gradients and Adam moments"),
+    Precision(
+        "bf16-mixed", 4, 4, 8, 2, 2, "mixed_precision='bf16': fp32 params/grads/Adam under bf16 autocast"
+    ),
+    Precision("bf16", 2, 2, 4, 2, 0, "model cast to bf16: bf16 params/grads/Adam moments, no master weights"),
 )
 
 # name, label, whether the figure is an estimate rather than exact model-state arithmetic
@@ -265,6 +276,12 @@ def zero_gathered_unit_bytes(strategy: str, precision: Precision, unit_parameter
     return 0, 0
 
 
+def autocast_copy_bytes(precision: Precision, computed_trainable: int) -> int:
+    """Autocast's 16-bit weight copies saved for backward (module docstring), for the trainable
+    parameters a device computes with: all of them under DDP and ZeRO, its share under TP and PP."""
+    return precision.autocast_copy_bytes * computed_trainable
+
+
 def activation_bytes(
     shape: ModelShape,
     micro_batch_size: int,
@@ -306,6 +323,9 @@ def estimate(
         f"ZeRO-2/3 rows include the largest FSDP2 unit ({shape.largest_unit or shape.parameters:,} "
         "parameters: a block, or everything outside the blocks) held whole: its gradients before the "
         "reduce-scatter, and under ZeRO-3 its parameters while it computes (as `unison plan` counts).",
+        "bf16-mixed is mixed_precision='bf16' as unison runs it: fp32 parameters, gradients and Adam "
+        "state under bf16 autocast; its parameter column adds autocast's bf16 weight copies kept for "
+        "backward (2 bytes per trainable parameter computed on the device, ZeRO-3 included).",
     ]
     with_activations = micro_batch_size is not None
     if with_activations and shape.layers is None:
@@ -329,6 +349,8 @@ def estimate(
                 unit = shape.largest_unit or shape.parameters
                 extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
                 p, g = p + extra_p, g + extra_g
+            split = devices if strategy in ("tp", "pp") else 1
+            p += autocast_copy_bytes(precision, math.ceil(shape.trainable_parameters / split))
             activations = None
             if with_activations:
                 activations = activation_bytes(

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +28,7 @@ from unison.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
 from unison.hardware import detect_hardware as detect_hardware
 from unison.hardware import link_from_topology as link_from_topology
 from unison.hardware import parse_memory as parse_memory
+from unison.layout_memory import PlanMemory, layout_memory
 from unison.parallel.blocks import find_blocks
 from unison.parallel.config import ParallelismConfig
 
@@ -149,28 +149,6 @@ class Workload:
 
 
 @dataclass(frozen=True)
-class PlanMemory:
-    """Bytes one device holds under a layout (the most loaded device: first pipeline stage)."""
-
-    parameters: int
-    gradients: int
-    optimizer: int
-    activations: int | None
-    device_memory: int
-
-    @property
-    def total(self) -> int:
-        return self.parameters + self.gradients + self.optimizer + (self.activations or 0)
-
-    @property
-    def fraction(self) -> float:
-        return self.total / self.device_memory
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**dataclasses.asdict(self), "total": self.total, "fraction": round(self.fraction, 4)}
-
-
-@dataclass(frozen=True)
 class Candidate:
     """A layout with its memory and a sentence: why the guide ranks it where it is, or why it lost."""
 
@@ -254,7 +232,7 @@ def plan_for(facts: ModelFacts, hardware: Hardware, workload: Workload) -> Plan:
 def _choose(facts: ModelFacts, hw: Hardware, workload: Workload) -> tuple[int | None, list[Candidate]]:
     """(index of the first comfortable fit, else of the first fit, else None; the priced ranked layouts)."""
     ranked = [
-        Candidate(config, _memory(facts, hw, workload, config), _why(config))
+        Candidate(config, layout_memory(facts, hw.device_memory, workload, config), _why(config))
         for config in _ranked_layouts(facts, hw, workload)
     ]
     for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
@@ -262,53 +240,6 @@ def _choose(facts: ModelFacts, hw: Hardware, workload: Workload) -> tuple[int | 
             if candidate.memory.fraction <= limit:
                 return index, ranked
     return None, ranked
-
-
-# -- memory of one layout ---------------------------------------------------------------------------------
-def _memory(facts: ModelFacts, hw: Hardware, workload: Workload, config: ParallelismConfig) -> PlanMemory:
-    """Model state (memory.model_state_bytes of this device's share), ZeRO's gathered unit, activations.
-
-    Share: Ψ/tp without a pipeline; with one, the heaviest stage (its blocks, rounded up, plus half the
-    parameters outside the blocks: embedding on the first stage, output layer on the last), over tp.
-    ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters.
-    """
-    precision = workload.bytes
-    tp, pp, shard, stage = config.tp_size, config.pp_size, config.dp_shard_size, config.zero_stage
-    shape = facts.shape
-    held = shape.parameters
-    if pp > 1:
-        held = min(
-            held, math.ceil(facts.blocks / pp) * facts.block_parameters + math.ceil(facts.root_parameters / 2)
-        )
-    held = math.ceil(held / tp)
-    trainable = math.ceil(held * shape.trainable_parameters / shape.parameters) if shape.parameters else 0
-    strategy = f"zero{stage}" if stage else "ddp"
-    params, grads, optim = memory.model_state_bytes(
-        strategy, precision, held, trainable, shard if stage else 1
-    )
-    if stage in (2, 3) and shard > 1:
-        extra_params, extra_grads = memory.zero_gathered_unit_bytes(
-            strategy, precision, math.ceil(facts.largest_unit / tp)
-        )
-        params, grads = params + extra_params, grads + extra_grads
-    return PlanMemory(params, grads, optim, _activations(facts, workload, tp), hw.device_memory)
-
-
-def _activations(facts: ModelFacts, workload: Workload, tp: int) -> int | None:
-    """memory.activation_bytes; with checkpointing, each block's stored input plus one recomputed block.
-
-    Full recomputation keeps s·b·h·e bytes per block (Korthikanti et al. 2022 §5: 2sbhL in 16-bit), not
-    split by TP without sequence parallelism; one block's full activations exist again during backward.
-    With 1F1B the first stage holds p micro-batches of L/p blocks: the same total (memory.py docstring).
-    """
-    shape = facts.shape
-    if workload.micro_batch_size is None or shape.layers is None:
-        return None
-    b, s, e = workload.micro_batch_size, workload.seq_len, workload.bytes.activation_bytes
-    if not workload.activation_checkpointing:
-        return memory.activation_bytes(shape, b, s, e, tensor_parallel=tp)
-    one_block = memory.activation_bytes(dataclasses.replace(shape, layers=1), b, s, e, tensor_parallel=tp)
-    return one_block + e * s * b * shape.hidden * shape.layers
 
 
 # -- the guide's order of layouts ---------------------------------------------------------------------
@@ -357,7 +288,7 @@ def _huge(facts: ModelFacts, hw: Hardware, workload: Workload) -> bool:
     one_node = ParallelismConfig(
         dp_replicate_size=1, dp_shard_size=hw.devices_per_node, tp_size=1, pp_size=1, zero_stage=3
     )
-    return _memory(facts, hw, workload, one_node).fraction > USABLE_FRACTION
+    return layout_memory(facts, hw.device_memory, workload, one_node).fraction > USABLE_FRACTION
 
 
 def _tp_degrees(facts: ModelFacts, per_node: int) -> list[int]:
@@ -454,7 +385,7 @@ def _why_lost(candidate: Candidate, winner: Candidate) -> str:
 def _reasons(facts: ModelFacts, hw: Hardware, workload: Workload, winner: Candidate) -> tuple[str, ...]:
     precision = workload.bytes
     one_device = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, pp_size=1)
-    single = _memory(facts, hw, workload, one_device)
+    single = layout_memory(facts, hw.device_memory, workload, one_device)
     largest_state = sum(
         memory.model_state_bytes(
             "single", precision, facts.largest_layer_parameters, facts.largest_layer_parameters, 1
@@ -560,7 +491,8 @@ def _nothing_fits(facts: ModelFacts, hw: Hardware, workload: Workload, ranked: l
         if not getattr(workload, allowed):
             fixes.append((f"allowing {label}", hw, dataclasses.replace(workload, **{allowed: True})))
     if workload.precision != "bf16":
-        fixes.append(("bf16 (no fp32 master weights)", hw, dataclasses.replace(workload, precision="bf16")))
+        as_bf16 = dataclasses.replace(workload, precision="bf16")
+        fixes.append(("bf16 weights (model cast to bfloat16)", hw, as_bf16))
     helps = []
     for label, hardware, changed in fixes:
         index, ranked_fix = _choose(facts, hardware, changed)

@@ -65,7 +65,8 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         "--precision",
         choices=[p.name for p in memory.PRECISIONS],
         default="fp32",
-        help="training precision (default fp32)",
+        help="training precision: bf16-mixed is mixed_precision='bf16' (autocast over fp32 weights), bf16 a "
+        "model cast to bfloat16 (default fp32)",
     )
     parser.add_argument(
         "--activation-checkpointing",

@@ -1,0 +1,97 @@
+"""What one device holds under a planned layout: the formulas of `unison.memory` applied to one config.
+
+The planner ranks layouts and takes the first that fits; this module is the pricing it ranks by (model
+state of this device's share, ZeRO's gathered unit, autocast's copies, activations), apart from the
+ranking so each can be read, and tested, on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from unison import memory
+from unison.parallel.config import ParallelismConfig
+
+if TYPE_CHECKING:  # the planner's types; the planner imports this module
+    from unison.planner import ModelFacts, Workload
+
+
+@dataclass(frozen=True)
+class PlanMemory:
+    """Bytes one device holds under a layout (the most loaded device: first pipeline stage)."""
+
+    parameters: int
+    gradients: int
+    optimizer: int
+    activations: int | None
+    device_memory: int
+
+    @property
+    def total(self) -> int:
+        return self.parameters + self.gradients + self.optimizer + (self.activations or 0)
+
+    @property
+    def fraction(self) -> float:
+        return self.total / self.device_memory
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**dataclasses.asdict(self), "total": self.total, "fraction": round(self.fraction, 4)}
+
+
+def layout_memory(
+    facts: ModelFacts, device_memory: int, workload: Workload, config: ParallelismConfig
+) -> PlanMemory:
+    """Model state (memory.model_state_bytes of this device's share), ZeRO's gathered unit, activations.
+
+    Share: Ψ/tp without a pipeline; with one, the heaviest stage (its blocks, rounded up, plus half the
+    parameters outside the blocks: embedding on the first stage, output layer on the last), over tp.
+    ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters.
+    bf16-mixed adds autocast's bf16 copies of the share's trainable weights (memory.autocast_copy_bytes);
+    with activation checkpointing, of one block's only (the block being recomputed).
+    """
+    precision = workload.bytes
+    tp, pp, shard, stage = config.tp_size, config.pp_size, config.dp_shard_size, config.zero_stage
+    shape = facts.shape
+    held = shape.parameters
+    if pp > 1:
+        held = min(
+            held, math.ceil(facts.blocks / pp) * facts.block_parameters + math.ceil(facts.root_parameters / 2)
+        )
+    held = math.ceil(held / tp)
+    trainable = math.ceil(held * shape.trainable_parameters / shape.parameters) if shape.parameters else 0
+    strategy = f"zero{stage}" if stage else "ddp"
+    params, grads, optim = memory.model_state_bytes(
+        strategy, precision, held, trainable, shard if stage else 1
+    )
+    if stage in (2, 3) and shard > 1:
+        extra_params, extra_grads = memory.zero_gathered_unit_bytes(
+            strategy, precision, math.ceil(facts.largest_unit / tp)
+        )
+        params, grads = params + extra_params, grads + extra_grads
+    cast = (
+        min(trainable, math.ceil(facts.block_parameters / tp))
+        if workload.activation_checkpointing
+        else trainable
+    )
+    params += memory.autocast_copy_bytes(precision, cast)
+    return PlanMemory(params, grads, optim, activations(facts, workload, tp), device_memory)
+
+
+def activations(facts: ModelFacts, workload: Workload, tp: int) -> int | None:
+    """memory.activation_bytes; with checkpointing, each block's stored input plus one recomputed block.
+
+    Full recomputation keeps s·b·h·e bytes per block (Korthikanti et al. 2022 §5: 2sbhL in 16-bit), not
+    split by TP without sequence parallelism; one block's full activations exist again during backward.
+    With 1F1B the first stage holds p micro-batches of L/p blocks: the same total (memory.py docstring).
+    """
+    shape = facts.shape
+    if workload.micro_batch_size is None or shape.layers is None:
+        return None
+    b, s, e = workload.micro_batch_size, workload.seq_len, workload.bytes.activation_bytes
+    if not workload.activation_checkpointing:
+        return memory.activation_bytes(shape, b, s, e, tensor_parallel=tp)
+    one_block = memory.activation_bytes(dataclasses.replace(shape, layers=1), b, s, e, tensor_parallel=tp)
+    return one_block + e * s * b * shape.hidden * shape.layers
