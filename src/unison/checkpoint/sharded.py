@@ -189,8 +189,8 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP's FileSystemReader, reading `.metadata` with an unpickler that cannot run code."""
 
     def read_metadata(self, *args: Any) -> Metadata:
-        # No `rank` keyword: DCP then does not fall back to per-rank metadata files (unison writes none).
-        path = self._get_metadata_path()
+        # The one metadata file unison writes (no per-rank metadata files), at the path DCP names it.
+        path = self.fs.concat_path(self.path, DCP_METADATA)
         with self.fs.create_stream(path, "rb") as file:
             metadata = _MetadataUnpickler(file).load()
         if not isinstance(metadata, Metadata):

@@ -1,0 +1,75 @@
+"""The private torch APIs unison relies on, one test each, so a torch that changes one fails here by name.
+
+unison uses torch's public APIs except where only a private one does the job (each listed in the
+README's "torch" section). If a test here fails after a torch upgrade, the place named in its docstring
+is what to rewrite.
+"""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import torch
+from torch.distributed.tensor.parallel import ColwiseParallel
+
+
+def test_device_mesh_flatten_names_a_flattened_dp_dimension():
+    """unison.parallel.mesh: `mesh["dp_replicate", "dp_shard"]._flatten("dp")`, HSDP's data-parallel group."""
+    script = textwrap.dedent(
+        """
+        import os, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0")
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+        mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("dp_replicate", "dp_shard"))
+        flat = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        assert flat.mesh_dim_names == ("dp",) and flat.size() == 1, flat
+        again = mesh["dp_replicate", "dp_shard"]._flatten("dp")
+        assert again.get_group() is flat.get_group()  # the same view, no new group
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_strided_shard_placement():
+    """unison.parallel.tensor.FusedColwiseParallel redistributes a fused q|k|v weight to _StridedShard."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    placement = _StridedShard(0, split_factor=3)
+    assert placement.dim == 0 and placement.split_factor == 3
+
+
+def test_colwise_parallel_hooks_that_fused_colwise_parallel_overrides_and_calls():
+    """FusedColwiseParallel subclasses ColwiseParallel: it overrides `_apply` (ParallelStyle's abstract
+    method, which parallelize_module calls) and calls `_partition_linear_fn` and `_prepare_input_fn`."""
+    assert list(inspect.signature(ColwiseParallel._apply).parameters) == ["self", "module", "device_mesh"]
+    assert "_apply" in torch.distributed.tensor.parallel.style.ParallelStyle.__abstractmethods__
+    partition = inspect.signature(ColwiseParallel._partition_linear_fn).parameters
+    assert list(partition) == ["self", "name", "module", "device_mesh"]
+    prepare = list(inspect.signature(ColwiseParallel._prepare_input_fn).parameters)
+    assert prepare[-4:] == ["desired_input_layouts", "mod", "inputs", "device_mesh"]
+    style = ColwiseParallel()
+    assert hasattr(style, "input_layouts") and hasattr(style, "desired_input_layouts")
+
+
+def test_pytree_functions():
+    """unison.parallel.apply and pipeline_split walk nested batches with torch.utils._pytree."""
+    from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
+
+    batch = {"x": torch.ones(2), "y": (torch.zeros(1), [3])}
+    leaves, spec = tree_flatten(batch)
+    assert len(leaves) == 3 and tree_unflatten(leaves, spec)["y"][1] == [3]
+    assert tree_map(lambda v: v * 2 if isinstance(v, torch.Tensor) else v, batch)["x"].tolist() == [2.0, 2.0]
+
+
+def test_foreach_mul_by_a_tensor_scale():
+    """unison.item_count scales every gradient of a device in one call: torch._foreach_mul_(grads, t)."""
+    grads = [torch.ones(3), torch.full((2,), 2.0)]
+    torch._foreach_mul_(grads, torch.tensor(0.5))
+    assert grads[0].tolist() == [0.5] * 3 and grads[1].tolist() == [1.0, 1.0]
