@@ -1,8 +1,7 @@
 """The private torch APIs unison relies on, one test each, so a torch that changes one fails here by name.
 
-unison uses torch's public APIs except where only a private one does the job (each listed in the
-README's "torch" section). If a test here fails after a torch upgrade, the place named in its docstring
-is what to rewrite.
+unison uses torch's public APIs except where only a private one does the job (the README lists them).
+If a test here fails after a torch upgrade, the place named in its docstring is what to rewrite.
 """
 
 from __future__ import annotations

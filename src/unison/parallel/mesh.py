@@ -7,14 +7,10 @@ the engine notes), so the mesh is built once and its sub-meshes are handed out b
 
 from __future__ import annotations
 
-import logging
-
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import ParallelismConfig
-
-logger = logging.getLogger("unison")
 
 MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
 """Outermost first: pipeline stages talk least (across nodes), tensor parallel most (inside a node)."""
@@ -48,10 +44,8 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
         return None
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     if "dp_replicate" in names and "dp_shard" in names:
-        if hasattr(mesh, "_flatten"):
-            mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
-        else:  # pragma: no cover - torch without the private flatten
-            logger.debug("this torch has no DeviceMesh._flatten; no flattened 'dp' dimension")
+        # private, the one way to name a flattened dimension (tests/test_torch_private_apis.py)
+        mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
     return mesh
 
 
@@ -67,11 +61,6 @@ def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     if len(dims) == 1:
         return mesh[dims[0]]
     if len(dims) == 2:
-        if not hasattr(mesh, "_flatten"):
-            raise RuntimeError(
-                "this torch's DeviceMesh cannot flatten dp_replicate x dp_shard into one data-parallel "
-                "dimension (no DeviceMesh._flatten): use torch >= 2.6, or a layout with one dp dimension."
-            )
         return mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
     return None
 

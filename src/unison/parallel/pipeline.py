@@ -129,7 +129,8 @@ class PipelineModel(nn.Module):
         return self._mean_loss()
 
     def _prepare(self, inputs: Any, target: torch.Tensor, loss_fn: LossFn, training: bool) -> tuple:
-        """Checks (the same verdict on every rank, before any communication) and the micro-batch shapes."""
+        """Checks (the same verdict on every rank, before any communication) and the micro-batch shapes;
+        returns the inputs this rank hands the schedule."""
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
         m = self.microbatches
         for name, tensor in [*((f"inputs[{i}]", t) for i, t in enumerate(inputs)), ("target", target)]:
@@ -153,7 +154,9 @@ class PipelineModel(nn.Module):
             stage.set_micro_inputs(micro)
         self._loss_fn = loss_fn
         self._losses.clear()
-        return inputs
+        # Only the first stage's rank hands the schedule inputs: the others receive activations, and
+        # torch before 2.9 refuses inputs on them ("Can't supply input args ... on non-first stage").
+        return inputs if any(stage.stage_index == 0 for stage in self.stage_modules) else ()
 
     def _loss(self, stage_output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the user's, on the model's own output structure, scaled so the

@@ -85,13 +85,9 @@ class FusedColwiseParallel(ColwiseParallel):
                 f"FusedColwiseParallel applies to nn.Linear, got {type(module).__name__}. "
                 "Give it the fused projection (e.g. attn.c_attn)."
             )
-        try:
-            from torch.distributed.tensor.placement_types import _StridedShard
-        except ImportError as error:  # pragma: no cover - torch < 2.5
-            raise RuntimeError(
-                "FusedColwiseParallel needs DTensor's _StridedShard placement (torch >= 2.5); "
-                f"this is torch {torch.__version__}. Upgrade torch, or keep the fused module out of the plan."
-            ) from error
+        # private: the placement "this rank's rows of every block" (tests/test_torch_private_apis.py)
+        from torch.distributed.tensor.placement_types import _StridedShard
+
         distribute_module(
             module,
             device_mesh,
