@@ -38,3 +38,27 @@ def test_hooks_deepcopy_and_pickle_of_a_prepared_optimizer():
     momentum = next(iter(optimizer.state.values()))["momentum_buffer"]
     assert torch.equal(next(iter(twin.state.values()))["momentum_buffer"], momentum)
     assert pickle.loads(pickle.dumps(optimizer)).param_groups[0]["momentum"] == 0.9
+
+
+def test_backward_outside_accumulate_with_accumulation_steps_warns_once(caplog):
+    """Outside accumulate() nothing counts micro-steps: the optimizer steps on every micro-batch with
+    a loss divided by k. The user hears it once; inside accumulate() nothing is said."""
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=4)
+    model = nn.Linear(4, 2)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with caplog.at_level("WARNING", logger="unison"):
+        for _ in range(4):  # one whole window, as documented: nothing to say
+            with accelerator.accumulate(model):
+                accelerator.backward(model(torch.randn(3, 4)).pow(2).mean())
+                optimizer.step()
+                optimizer.zero_grad()
+        assert not caplog.records
+        for _ in range(2):
+            before = model.weight.detach().clone()
+            accelerator.backward(model(torch.randn(3, 4)).pow(2).mean())
+            optimizer.step()
+            optimizer.zero_grad()
+            assert not torch.equal(model.weight, before)  # what the warning says: a step per micro-batch
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "gradient_accumulation_steps=4" in warnings[0], warnings
+    assert "accelerator.accumulate(model)" in warnings[0]

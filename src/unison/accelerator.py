@@ -9,10 +9,9 @@ script migrates by changing its import line.
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +26,7 @@ from .checkpoint import (
 from .checkpoint.methods import CheckpointMethods
 from .collectives import CollectiveMethods
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
-from .item_count import ItemCount, scale_gradients
+from .item_count import ItemCount
 from .kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
@@ -44,17 +43,14 @@ from .parallel.apply import (
     switch_optimizer_parameters,
 )
 from .parallel.auto import plan_for_this_job
-from .parallel.clipping import clip_grad_norm
 from .parallel.config import ParallelismConfig, is_auto
-from .parallel.ddp import check_data_parallel_devices, skip_gradient_sync, unwrap
-from .parallel.engines import is_dtensor
+from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
 from .planner import Plan
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
-
-logger = logging.getLogger("unison")
+from .training_step import TrainingStepMethods
 
 _SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 _PREPARED_TYPES = (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard, DataLoaderDispatcher)
@@ -69,7 +65,7 @@ def _validate_accumulation_steps(value: Any) -> int:
     return value
 
 
-class Accelerator(CheckpointMethods, CollectiveMethods):
+class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
@@ -118,6 +114,8 @@ class Accelerator(CheckpointMethods, CollectiveMethods):
         self.precision = PrecisionPolicy(self.state.mixed_precision, self.device, scaler_kwargs)
         self.step = 0  # micro-steps since the last sync (Accelerate's meaning)
         self._window_micro_steps = self.gradient_accumulation_steps  # of the window in progress
+        self._in_accumulate = False  # inside accumulate(): see TrainingStepMethods._end_backward
+        self._warned_outside_accumulate = False
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -408,191 +406,6 @@ class Accelerator(CheckpointMethods, CollectiveMethods):
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside the wrappers prepare() added."""
         return unwrap(model)
-
-    # -- the training step ------------------------------------------------------------------------
-    @property
-    def sync_gradients(self) -> bool:
-        """True on the micro-step that ends an accumulation window: gradients all-reduced, optimizer steps."""
-        return self.gradient_state.sync_gradients
-
-    @property
-    def optimizer_step_was_skipped(self) -> bool:
-        """True when the last optimizer step was skipped for fp16 overflow."""
-        return any(optimizer.step_was_skipped for optimizer in self._optimizers)
-
-    def _do_sync(self) -> None:
-        """Decide whether this micro-step synchronises: every k-th, and always on a loader's last batch
-        (a window the loader cuts short then holds fewer than k micro-batches: `_window_micro_steps`)."""
-        if self.gradient_state.end_of_dataloader:
-            self._window_micro_steps = self.step % self.gradient_accumulation_steps + 1
-            self.step = 0
-            self.gradient_state.sync_gradients = True
-        else:
-            self.step += 1
-            self._window_micro_steps = self.gradient_accumulation_steps
-            self.gradient_state.sync_gradients = self.step % self.gradient_accumulation_steps == 0
-
-    @contextlib.contextmanager
-    def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """One micro-step: skip the gradient all-reduce unless this micro-step ends the window."""
-        self._do_sync()
-        with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
-                for model in models:
-                    stack.enter_context(skip_gradient_sync(model))
-            yield
-
-    @contextlib.contextmanager
-    def no_sync(self, model: torch.nn.Module) -> Iterator[None]:
-        """Accumulate local gradients without the all-reduce (DDP's no_sync) for the enclosed backward."""
-        with skip_gradient_sync(model):
-            yield
-
-    def backward(
-        self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None, **kwargs
-    ) -> None:
-        """loss.backward(), normalised for accumulation and scaled for fp16; kwargs go to loss.backward.
-
-        Without num_items, `loss` is a mean and is divided by gradient_accumulation_steps.
-        With num_items, `loss` is a SUM over this micro-batch's items (e.g. valid tokens) and num_items
-        their number (int, float or one-element tensor such as `mask.sum()`): after the backward of the
-        micro-step that ends the accumulation window, every gradient of the prepared models is divided
-        by the number of items over all processes and micro-steps of the window, so the update is the
-        gradient of the mean over all items, whatever the split (docs/loss-normalization.md). Call it
-        once per micro-step, on every micro-step of the window, with optimizer.zero_grad() after the
-        step as usual; clip_grad_norm_ and the optimizer then see the normalised gradients.
-        """
-        counted = self._item_count.begin_backward(num_items)
-        if counted is None and self.gradient_accumulation_steps > 1:
-            loss = loss / self.gradient_accumulation_steps
-        if self.precision.scaler is not None:
-            loss = self.precision.scaler.scale(loss)
-        with self._loss_parallel():
-            loss.backward(**kwargs)
-        self._end_backward(counted)
-
-    def _end_backward(self, counted: Any) -> None:
-        """Count this micro-step's items; on the window's last, normalise the summed gradients by them.
-
-        Mean losses were divided by k; a window the loader cut short after r < k micro-batches is
-        multiplied by k / r here, so its update is the mean over its own micro-batches, as one process
-        with the same samples in one batch computes it (every process ends the loader together).
-        """
-        if counted is not None:
-            self._item_count.add(counted)
-        if self.sync_gradients:
-            if counted is not None:
-                self._normalise_by_item_count()
-            elif self._window_micro_steps < self.gradient_accumulation_steps:
-                factor = torch.tensor(self.gradient_accumulation_steps / self._window_micro_steps)
-                scale_gradients((p for model in self._models for p in model.parameters()), factor)
-            self._item_count.end_window()
-
-    def forward_backward(
-        self,
-        model: torch.nn.Module,
-        inputs: torch.Tensor | tuple[torch.Tensor, ...],
-        target: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
-        num_items: int | float | torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """One micro-step's forward and backward in any layout; returns the loss (detached).
-
-        `model(*inputs)` (a lone tensor is one argument), then `loss_fn(output, target)` and
-        `backward(loss, num_items=num_items)`. This is the one call a loop needs to also run under
-        pipeline parallelism, where no rank holds the whole model: there it runs the pipeline schedule
-        over the micro-batches and every rank gets the loss. Use it inside `accumulate()` as usual.
-        """
-        if isinstance(model, PipelineModel):
-            counted = self._item_count.begin_backward(num_items)
-            # a mean loss: gradients of the micro-batches' mean, divided over the accumulation window;
-            # a summed loss (num_items): gradients of the micro-batches' sum, normalised at the window end
-            divide_by = self.gradient_accumulation_steps if counted is None else 1 / model.microbatches
-            with self._loss_parallel():
-                loss = model.step(inputs, target, loss_fn, divide_by=divide_by)
-            self._end_backward(counted)
-            return loss if counted is None else loss * model.microbatches
-        loss = self._forward_and_loss(model, inputs, target, loss_fn)
-        self.backward(loss, num_items=num_items)
-        loss = loss.detach()
-        return loss.full_tensor() if is_dtensor(loss) else loss
-
-    @torch.no_grad()
-    def forward_loss(
-        self,
-        model: torch.nn.Module,
-        inputs: torch.Tensor | tuple[torch.Tensor, ...],
-        target: Any,
-        loss_fn: Callable[[Any, Any], torch.Tensor],
-    ) -> torch.Tensor:
-        """Forward only (evaluation): `loss_fn(model(*inputs), target)`, detached, on every rank.
-
-        The evaluation twin of `forward_backward`: under pipeline parallelism it runs the schedule's
-        forward over the micro-batches; elsewhere it is the plain call under torch.no_grad().
-        """
-        if isinstance(model, PipelineModel):
-            with self._loss_parallel():
-                return model.evaluate(inputs, target, loss_fn)
-        loss = self._forward_and_loss(model, inputs, target, loss_fn)
-        return loss.full_tensor() if is_dtensor(loss) else loss
-
-    def _forward_and_loss(self, model, inputs, target, loss_fn) -> torch.Tensor:
-        """`loss_fn(model(*inputs), target)`, the loss inside loss_parallel() when the layout uses it."""
-        output = model(*(inputs if isinstance(inputs, tuple) else (inputs,)))
-        with self._loss_parallel():
-            return loss_fn(output, target)
-
-    def _loss_parallel(self) -> contextlib.AbstractContextManager:
-        """torch's loss_parallel() when the layout computes the loss on vocabulary-sharded logits."""
-        if self.parallelism is not None and self.parallelism.loss_parallel:
-            from torch.distributed.tensor.parallel import loss_parallel  # see parallel/engines.py
-
-            return loss_parallel()
-        return contextlib.nullcontext()
-
-    def _normalise_by_item_count(self) -> None:
-        """Turn the window's summed gradients into the gradient of the mean over all its items.
-
-        Every prepared model with gradients is data-parallel wrapped (DDP or FSDP2) over the N
-        data-parallel processes, so after this backward each gradient is the average of their local
-        sums: N / global count makes it the global sum over the global count (with fp16 the loss scale
-        stays in until unscaling). Tensor/pipeline ranks of one replica count the same items once.
-        """
-        dp_mesh = data_parallel_mesh(self.device_mesh)
-        factor = self._item_count.gradient_factor(
-            dp_mesh.size() if dp_mesh is not None else 1,
-            self.device,
-            group=dp_mesh.get_group() if dp_mesh is not None else None,
-        )
-        scale_gradients((p for model in self._models for p in model.parameters()), factor)
-
-    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
-        """Autocast in the run's mixed precision, for computation outside the prepared model."""
-        return self.precision.autocast(enabled)
-
-    def unscale_gradients(self) -> None:
-        """Divide fp16 gradients by the loss scale (done for you by the clip_grad_* methods)."""
-        for optimizer in self._optimizers:
-            optimizer.unscale_gradients()
-
-    def clip_grad_norm_(self, parameters, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """Clip the gradients' total norm (all-reduced on sync steps); returns the norm before clipping.
-
-        Over sharded gradients (DTensors) torch computes the norm of the whole gradient; under pipeline
-        parallelism the stages' norms are combined over the pipeline ranks (a tied weight counted once),
-        so every rank clips by the norm of the whole model's gradient, returned as a plain tensor.
-        """
-        self.unscale_gradients()
-        pipeline = next((m for m in self._models if isinstance(m, PipelineModel)), None)
-        if pipeline is None:
-            return clip_grad_norm(parameters, max_norm, norm_type)
-        once = {id(p) for p in pipeline.norm_parameters()}
-        return clip_grad_norm(parameters, max_norm, norm_type, once, self.device_mesh["pp"].get_group())
-
-    def clip_grad_value_(self, parameters, clip_value: float) -> None:
-        """Clamp each gradient element to [-clip_value, clip_value]."""
-        self.unscale_gradients()
-        torch.nn.utils.clip_grad_value_(parameters, clip_value)
 
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""
