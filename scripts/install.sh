@@ -2,7 +2,7 @@
 # Install what is missing for unison into the Python on PATH (or $PYTHON), and nothing more.
 #   bash scripts/install.sh          the library
 #   bash scripts/install.sh test     the library and its test tools
-# torch: an installed torch >= 2.4 is kept. Otherwise torch==2.13.0 is installed: on our CPU build
+# torch: an installed torch >= 2.12 (pyproject's floor) is kept. Otherwise torch==2.13.0 is installed: on our CPU build
 # machines pip finds that exact version as a local CPU wheel; on a GPU machine it is PyPI's CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,10 +12,10 @@ if ! "$PY" - <<'PYCODE' 2>/dev/null
 import sys
 import torch
 major, minor = (int(part) for part in torch.__version__.split("+")[0].split(".")[:2])
-sys.exit(0 if (major, minor) >= (2, 4) else 1)
+sys.exit(0 if (major, minor) >= (2, 12) else 1)
 PYCODE
 then
-  echo "[install] torch >= 2.4 not found: installing torch==2.13.0"
+  echo "[install] torch >= 2.12 not found: installing torch==2.13.0"
   "$PY" -m pip install --quiet "torch==2.13.0"
 fi
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 
 import pytest
 from launching import WORKERS, launch_ok
@@ -74,9 +75,17 @@ def reports(tmp_path_factory):
     out = tmp_path_factory.mktemp("strategies")
 
     class Reports(dict):
+        failed: dict[int, BaseException] = {}
+
         def __missing__(self, world):
+            if world in self.failed:  # one failed launch fails its tests, without launching again each
+                raise self.failed[world]
             path = out / f"{world}.json"
-            launch_ok(WORKERS / "strategy_worker.py", world, path, *LAYOUTS[world], timeout=900)
+            try:
+                launch_ok(WORKERS / "strategy_worker.py", world, path, *LAYOUTS[world], timeout=900)
+            except (AssertionError, subprocess.TimeoutExpired) as error:
+                self.failed[world] = error
+                raise
             self[world] = json.loads(path.read_text())
             return self[world]
 
