@@ -91,6 +91,9 @@ def test_bad_input_raises_on_every_rank(results):
         assert errors["ddp_kwargs_under_fsdp"].startswith("ValueError"), errors["ddp_kwargs_under_fsdp"]
         assert "find_unused_parameters=True" in errors["ddp_kwargs_under_fsdp"]
         assert "dp_shard=" in errors["ddp_kwargs_under_fsdp"] and "FSDP2" in errors["ddp_kwargs_under_fsdp"]
+        under_tp = errors["ddp_kwargs_under_tp"]
+        assert under_tp.startswith("ValueError") and "find_unused_parameters=True" in under_tp, under_tp
+        assert "tp=" in under_tp and "no data-parallel replicas" in under_tp, under_tp
         assert (
             errors["accumulation_zero"].startswith("ValueError")
             and "gradient_accumulation_steps=0" in errors["accumulation_zero"]

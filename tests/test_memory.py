@@ -218,6 +218,14 @@ def test_cli_json_and_clear_errors_for_bad_targets(tmp_path, capsys):
         stderr = capsys.readouterr().err
         assert target in stderr and reason in stderr, (target, stderr)
 
+    for flags, reason in [  # options that only price activations need the activation shape
+        (["--micro-batch-size", "2"], "need both --micro-batch-size and --seq-len"),
+        (["--attention-heads", "12"], "--attention-heads 12 prices the attention scores"),
+    ]:
+        args = build_parser().parse_args(["estimate-memory", f"{path}:small", *flags])
+        assert args.run(args) == 2, flags
+        assert reason in capsys.readouterr().err, flags
+
 
 def test_cli_table_on_the_gpt_example_with_activations(tmp_path):
     wrapper = tmp_path / "gpt_wrapper.py"

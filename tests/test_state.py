@@ -38,6 +38,19 @@ def launched(request, tmp_path_factory):
     return nproc, records, result, expected_timeout
 
 
+def test_a_process_group_the_script_formed_is_adopted_with_its_own_timeout(tmp_path):
+    """unison cannot change the timeout of a group formed before it: asking for one is an error on
+    every rank (not a value silently ignored), and the adopted state says it has none of its own."""
+    launch_ok("tests/workers/adopt_group_worker.py", 2, tmp_path)
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        explicit = record["explicit_timeout"]
+        assert explicit.startswith("ValueError: timeout=30 s cannot apply"), explicit
+        assert "init_process_group" in explicit, explicit
+        assert record["state_timeout"] is None and record["all_reduce"] == 3.0
+        assert record["later_timeout"].startswith("ValueError: timeout=77 cannot apply"), record
+
+
 def test_real_gloo_group_and_identity(launched):
     nproc, records, _, _ = launched
     for rank, rec in enumerate(records):

@@ -315,17 +315,23 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
 
     def _check_ddp_kwargs_apply(self) -> None:
         """DistributedDataParallelKwargs configure DDP; a layout whose replicas run on FSDP2 (ZeRO-2/3,
-        HSDP, and any data parallelism beside tensor or pipeline parallelism) has no DDP to give them
-        to. One process has no wrapper at all, so the same script still runs there unchanged."""
+        HSDP, and any data parallelism beside tensor or pipeline parallelism), or with no replicas at
+        all across several processes (pure tensor or pipeline parallelism), has no DDP to give them to.
+        One process has no wrapper at all, so the same script still runs there unchanged."""
         engine = data_parallel_engine(self.parallelism)
-        if self.ddp_kwargs and engine not in ("ddp", "none"):
-            options = ", ".join(f"{name}={value!r}" for name, value in self.ddp_kwargs.items())
-            raise ValueError(
-                f"DistributedDataParallelKwargs({options}) configure DDP, but the layout "
-                f"{self.parallelism.describe()} trains its data-parallel replicas with "
-                f"{'FSDP2' if engine == 'fsdp' else 'torch.nn.DataParallel'}, which has no such options. "
-                "Drop the DDP options for this layout, or use parallelism='ddp' or 'zero1' (DDP underneath)."
-            )
+        if not self.ddp_kwargs or engine == "ddp" or (engine == "none" and self.num_processes == 1):
+            return
+        options = ", ".join(f"{name}={value!r}" for name, value in self.ddp_kwargs.items())
+        runs_on = {
+            "fsdp": "trains its data-parallel replicas with FSDP2",
+            "dataparallel": "trains its replicas with torch.nn.DataParallel",
+            "none": "has no data-parallel replicas (one copy of the model, split over the processes)",
+        }[engine]
+        raise ValueError(
+            f"DistributedDataParallelKwargs({options}) configure DDP, but the layout "
+            f"{self.parallelism.describe()} {runs_on}, so nothing would apply them. Drop the DDP "
+            "options for this layout, or use parallelism='ddp' or 'zero1' (DDP underneath)."
+        )
 
     def _check_no_optimizer_holds(self, replaced: dict[int, torch.nn.Parameter | None]) -> None:
         """An optimizer prepared before its model would keep updating the parameters sharding replaced."""

@@ -1,8 +1,9 @@
 """What the job runs on: a description of the devices, their memory and links (`Hardware`), read from
 the running job (`detect_hardware`) or given by hand (`parse_memory` for sizes such as "80GB").
 
-The planner (unison.planner) prices layouts against this description. Everything here is read from facts
-that are the same on every rank of equal nodes, so every rank describes the hardware the same way.
+The planner (unison.planner) prices layouts against this description. Its facts are the same on every
+rank of equal nodes, except that the link probe (nvidia-smi) can fail on one rank and answer PCIe there:
+a job that plans at run time therefore plans on rank 0 and broadcasts the plan (unison.parallel.auto).
 """
 
 from __future__ import annotations
@@ -100,7 +101,8 @@ def detect_hardware(
     inter_node: str = "ethernet",
     interconnect: str | None = None,
 ) -> Hardware:
-    """The hardware of the running job, read from facts that are the same on every rank of equal nodes.
+    """The hardware of the running job, as this rank sees it (see the module docstring for why a job
+    broadcasts one rank's answer).
 
     Device memory: the CUDA device's total memory, else total RAM shared by the node's processes. The link
     inside a node: NVLink when `nvidia-smi topo -m` shows NV links between every pair of the node's GPUs,

@@ -29,7 +29,8 @@ class DistributedDataParallelKwargs(_KwargsHandler):
 
     Applied where the layout runs DDP (ddp, zero1); refused with a ValueError by layouts whose replicas
     run on FSDP2 (ZeRO-2/3, HSDP, data parallelism beside tensor or pipeline parallelism), which have
-    no such options; ignored by a single process, which has no wrapper."""
+    no such options, and by pure tensor or pipeline parallelism over several processes, which has no
+    replicas; ignored by a single process, which has no wrapper."""
 
     dim: int = 0
     broadcast_buffers: bool = True

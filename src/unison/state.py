@@ -174,7 +174,8 @@ class PartialState:
     The first construction detects the environment (torchrun / `unison launch`, SLURM srun, or plain
     python), picks the device and backend, and forms the process group once with a finite timeout.
     Later constructions return the same state; asking for a different `cpu` or `timeout` then is an
-    error rather than a silent no-op.
+    error rather than a silent no-op. A process group the script formed itself is adopted as it is,
+    with its own timeout (`timeout` is then None, and asking for one is an error).
     """
 
     _shared_state: dict[str, Any] = {}
@@ -188,7 +189,9 @@ class PartialState:
         layout = detect_layout()
         _end_with_the_launcher()
         self.layout = layout
-        self.timeout = _as_timedelta(timeout)
+        # None once a process group the user formed is adopted: its own timeout is in force, not ours
+        self.timeout: timedelta | None = _as_timedelta(timeout)
+        self._timeout_requested = timeout is not None or launch_env.TIMEOUT in os.environ
         self.cpu = cpu_requested
         self.device, self.backend = _pick_device(layout, cpu_requested)
         if self.device.type == "cuda":
@@ -213,7 +216,15 @@ class PartialState:
                     f"environment says {layout.world_size}; create it with the launcher's WORLD_SIZE or let "
                     "unison do it."
                 )
+            if self._timeout_requested:
+                raise ValueError(
+                    f"timeout={self.timeout.total_seconds():g} s cannot apply: the process group already "
+                    "exists (dist.init_process_group ran before unison), with the timeout it was given "
+                    "there. Pass timeout= to init_process_group, or leave the group to unison."
+                )
             self.backend = dist.get_backend()
+            self.timeout = None
+            _exit_whole_process_on_uncaught_error()  # a crash must not leave the peers waiting here either
             return
         kwargs: dict[str, Any] = {}
         if self.backend == "nccl":
@@ -235,6 +246,11 @@ class PartialState:
                 f"cpu={cpu} conflicts with the existing process state (cpu={self.cpu}, device "
                 f"{self.device}): the device is chosen once per process. Create the first "
                 "PartialState/Accelerator with the setting you want."
+            )
+        if timeout is not None and self.timeout is None:
+            raise ValueError(
+                f"timeout={timeout} cannot apply: this process adopted a process group formed by "
+                "dist.init_process_group, whose own timeout is in force. Pass it there."
             )
         if timeout is not None and _as_timedelta(timeout) != self.timeout:
             raise ValueError(

@@ -217,6 +217,11 @@ def bad_inputs() -> dict:
                 make_model()
             )
         ),
+        "ddp_kwargs_under_tp": error_of(  # one model split over every process: no replicas for DDP
+            lambda: Accelerator(
+                cpu=True, parallelism=f"tp_size={accelerator.num_processes}", kwargs_handlers=ddp_options
+            ).prepare(make_model())
+        ),
         "accumulation_zero": error_of(lambda: Accelerator(gradient_accumulation_steps=0)),
         "unknown_precision": error_of(lambda: Accelerator(mixed_precision="fp8")),
         "conflicting_precision": error_of(lambda: Accelerator(mixed_precision="bf16")),

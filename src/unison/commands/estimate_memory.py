@@ -62,6 +62,12 @@ def run(args: argparse.Namespace) -> int:
             "unison estimate-memory: error: activations need both --micro-batch-size and --seq-len\n"
         )
         return 2
+    if args.attention_heads is not None and args.seq_len is None:
+        sys.stderr.write(
+            f"unison estimate-memory: error: --attention-heads {args.attention_heads} prices the attention "
+            "scores among the activations, which need --micro-batch-size and --seq-len too: add both\n"
+        )
+        return 2
     try:
         model = memory.build_on_meta(args.target)
     except memory.TargetError as error:
