@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import WORKERS, describe, launch
+from launching import WORKERS, describe, launch, launch_ok
 
 from unison.checkpoint import (
     MANIFEST_NAME,
@@ -285,3 +285,28 @@ def test_two_processes_write_one_checkpoint_and_a_killed_save_leaves_the_previou
     assert sorted(path.name for path in checkpoints_dir.iterdir()) == [staging.name, "checkpoint_1"]
     assert sorted(path.name for path in staging.iterdir()) == ["rng_state_0.pt", "rng_state_1.pt"]
     assert list_checkpoints(checkpoints_dir) == [final] and newest_checkpoint(checkpoints_dir) == final
+
+
+def test_a_step_that_fails_on_one_process_fails_on_every_process(tmp_path):
+    """Rank 0's replicated write, save_model's file, rank 1's read: each failure reaches both ranks,
+    nothing is renamed into place, and a script that catches it meets its peers in the next
+    collective (the group timeout is 20 s: a hang fails the launch). A rank that sees no checkpoint
+    follows rank 0's choice instead of starting fresh alone."""
+    launch_ok(
+        WORKERS / "checkpoint_failure_worker.py", 2, tmp_path, launch_args=["--timeout", "20"], timeout=120
+    )
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, record in enumerate(records):
+        assert [record[f"{step}_then"] for step in ("save_state", "save_model", "load_state")] == [3.0] * 3
+        saving, exporting, loading = record["save_state"], record["save_model"], record["load_state"]
+        assert "No space left on device" in saving and not record["broken_renamed"], saving
+        assert "not_a_directory" in exporting, exporting
+        if rank == 0:  # its own errors; rank 1's read failure reported
+            assert saving.startswith("OSError: ") and not exporting.startswith("CheckpointError"), exporting
+            assert loading.startswith("CheckpointError: ") and "failed on process(es) [1]" in loading, loading
+        else:  # rank 0's failures reported; its own read error
+            assert saving.startswith("CheckpointError: ") and "failed on process(es) [0]" in saving, saving
+            assert exporting.startswith("CheckpointError: ") and "failed on process(es) [0]" in exporting
+            assert loading.startswith("RuntimeError: CUDA out of memory (simulated)"), loading
+        assert record["lagging_view_loaded"].endswith("shared/checkpoints/checkpoint_0"), record
+        assert record["lagging_view_then"] == 3.0

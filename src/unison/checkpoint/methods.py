@@ -13,6 +13,7 @@ from typing import Any
 
 import torch
 
+from ..ops import broadcast_object_list
 from ..parallel.ddp import wrapper_prefix
 from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
 from .training_state import load_training_state, save_training_state
@@ -70,19 +71,22 @@ class CheckpointMethods:
         Without input_dir the newest complete checkpoint under project_dir/checkpoints is loaded. If
         there is none, missing_ok=True returns None (start fresh); otherwise FileNotFoundError.
         """
-        if input_dir is None:
-            checkpoints = self._checkpoints_dir("load_state")
-            input_dir = newest_checkpoint(checkpoints)
-            if input_dir is None:
-                if missing_ok:
-                    return None
-                raise FileNotFoundError(
-                    f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
-                    "first, or pass missing_ok=True to start fresh when there is nothing to resume."
-                )
-        directory = Path(input_dir)
-        if not directory.exists() and missing_ok:
+        checkpoints = self._checkpoints_dir("load_state") if input_dir is None else None
+        # The main process looks at the file system and every process follows its answer: a node whose
+        # view of a shared directory lags (NFS attribute caching) must not start fresh while the others
+        # enter the collective load, nor pick another checkpoint.
+        found = [None, False]
+        if self.is_main_process:
+            directory = Path(input_dir) if input_dir is not None else newest_checkpoint(checkpoints)
+            found = [directory, directory is not None and directory.exists()]
+        directory, exists = broadcast_object_list(found, from_process=0)
+        if not exists and missing_ok:
             return None
+        if directory is None:
+            raise FileNotFoundError(
+                f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
+                "first, or pass missing_ok=True to start fresh when there is nothing to resume."
+            )
         load_training_state(self, directory)
         return directory
 

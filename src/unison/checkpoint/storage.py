@@ -133,6 +133,32 @@ def _aside_path(final_dir: Path) -> Path:
     return final_dir.parent / f".{final_dir.name}.old"
 
 
+def raise_if_any_process_failed(error: Exception | None, action: str) -> None:
+    """Make one process's failure in a step of a save or load the failure of that step everywhere.
+
+    Collective: every process says whether its part of `action` raised (`error`). A process whose part
+    failed raises its own exception; the others raise a CheckpointError naming the processes that
+    failed. Without this, the failure of one process (a full disk under rank 0's replicated files, an
+    out-of-memory read on one GPU) would leave its peers waiting in the next barrier, or, if the
+    script catches the error, pair their next collective with another one. It only helps between the
+    collectives of a step: a failure inside a collective ends the run through the group's timeout.
+    """
+    state = PartialState()
+    reports = [None if error is None else f"{type(error).__name__}: {error}"]
+    if state.num_processes > 1:
+        everyone: list[str | None] = [None] * state.num_processes
+        torch.distributed.all_gather_object(everyone, reports[0])
+        reports = everyone
+    if error is not None:
+        raise error
+    failed = [rank for rank, report in enumerate(reports) if report is not None]
+    if failed:
+        raise CheckpointError(
+            f"{action} failed on process(es) {failed}, so on every process ({reports[failed[0]]}; each "
+            "failed process's own traceback says more). Nothing was applied or renamed into place."
+        )
+
+
 # -- writing -------------------------------------------------------------------------------------
 @contextlib.contextmanager
 def write_checkpoint(
@@ -144,8 +170,9 @@ def write_checkpoint(
     and everyone waits for it. When the block ends normally on every process, the main process lists
     every file with its size and CRC-32 in manifest.json (plus `metadata`, any JSON-serialisable dict),
     fsyncs, and renames the directory to `final_dir`, replacing an existing one of that name; the other
-    processes wait until that is done. If the block raises, nothing is renamed: an existing checkpoint
-    of the same name stays as it was, and the exception propagates.
+    processes wait until that is done. If the block raises on any process (or the main process fails
+    to finish), nothing is renamed: an existing checkpoint of the same name stays as it was, and every
+    process raises (see `raise_if_any_process_failed`).
     """
     state = PartialState()
     final_dir = Path(final_dir)
@@ -163,19 +190,34 @@ def write_checkpoint(
         _remove_if_present(tmp_dir)
         tmp_dir.mkdir()
     state.wait_for_everyone()
+    block_error = finish_error = None
     try:
         yield tmp_dir
+    except Exception as error:
+        block_error = error
+    except BaseException:  # Ctrl-C, SystemExit: the run is ending, no agreement to wait for
+        if state.is_main_process:
+            shutil.rmtree(tmp_dir, ignore_errors=True)
+        raise
+    try:
+        raise_if_any_process_failed(block_error, f"saving {final_dir}")  # every process has written
+        if state.is_main_process:
+            try:
+                manifest = _write_manifest(tmp_dir, metadata)
+                _move_into_place(tmp_dir, final_dir)
+            except Exception as error:
+                finish_error = error
+            else:
+                total = sum(entry["size"] for entry in manifest["files"].values())
+                logger.info(
+                    "saved checkpoint %s (%d files, %.1f MB)", final_dir, len(manifest["files"]), total / 1e6
+                )
+        # also the barrier after which final_dir exists for everyone
+        raise_if_any_process_failed(finish_error, f"finishing the checkpoint {final_dir}")
     except BaseException:
         if state.is_main_process:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
-    state.wait_for_everyone()  # every process has finished writing its files
-    if state.is_main_process:
-        manifest = _write_manifest(tmp_dir, metadata)
-        _move_into_place(tmp_dir, final_dir)
-        total = sum(entry["size"] for entry in manifest["files"].values())
-        logger.info("saved checkpoint %s (%d files, %.1f MB)", final_dir, len(manifest["files"]), total / 1e6)
-    state.wait_for_everyone()  # nobody reads final_dir before it exists
 
 
 def _write_manifest(directory: Path, metadata: dict[str, Any]) -> dict[str, Any]:

@@ -23,7 +23,14 @@ import torch
 from .. import ops
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
-from .storage import CheckpointError, load_object, save_object, verify_checkpoint, write_checkpoint
+from .storage import (
+    CheckpointError,
+    load_object,
+    raise_if_any_process_failed,
+    save_object,
+    verify_checkpoint,
+    write_checkpoint,
+)
 
 if TYPE_CHECKING:
     from ..accelerator import Accelerator
@@ -118,7 +125,7 @@ def _checked_on_main_process(directory: Path) -> tuple[dict[str, Any] | None, st
         return None, str(exc)
 
 
-def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any], BaseException | None]:
+def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any], Exception | None]:
     """Load the named files; the first failure is returned, not raised, for after the check."""
     loaded: dict[str, Any] = {}
     for name in names:
@@ -131,7 +138,7 @@ def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any
 
 def _read_sharded(
     directory: Path, names: list[str], model_parts: dict[str, tuple[torch.nn.Module, Any]]
-) -> tuple[dict[str, Any], BaseException | None]:
+) -> tuple[dict[str, Any], Exception | None]:
     """Read the DCP parts into new tensors (nothing applied); the first failure is returned, not raised.
 
     Collective. A DCP failure is reported to every process alike, so all stop at the same part.
@@ -188,12 +195,15 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     state = PartialState()
     parts = _replicated_parts(accelerator)
     model_parts, sharded_parts = _model_parts(accelerator)
+    # Which parts DCP reads (a collective) is the main process's view of the directory, for everyone.
     saved_sharded = sorted(
         name
         for name in parts
         if name.startswith(("model_", "optimizer_"))
+        and state.is_main_process
         and _sharded().is_sharded_part(_part_directory(directory, name))
     )
+    saved_sharded = ops.broadcast_object_list([saved_sharded], from_process=0)[0]
     torch_files = [name for name in [*parts, COUNTERS_FILE] if name not in saved_sharded]
     with ThreadPoolExecutor(max_workers=1) as pool:
         check = pool.submit(_checked_on_main_process, directory) if state.is_main_process else None
@@ -212,10 +222,7 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
             "optimizers, schedulers, data loaders or registered objects (or another precision) than this "
             "one. Prepare the same objects, in the same order, as the run that saved it."
         )
-    if read_error is not None:
-        raise read_error
-    if stage_error is not None:
-        raise stage_error
+    raise_if_any_process_failed(read_error or stage_error, f"loading {directory}")
     for name in sharded_parts.difference(staged):  # whole-model files into a sharded layout: fit first
         model, live = model_parts[name]
         if live is model:

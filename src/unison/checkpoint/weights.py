@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 from ..parallel.ddp import unwrap
 from ..state import PartialState
+from .storage import raise_if_any_process_failed
 
 SAFETENSORS_FILE = "model.safetensors"
 TORCH_FILE = "pytorch_model.bin"
@@ -160,8 +161,11 @@ def save_consolidated_weights(
         safetensors_save_model()  # a missing package fails here, on every process, before gathering
     state = consolidated_state_dict(model)
     path = directory / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
-    partial = PartialState()
-    if partial.is_main_process:
-        write_weights(state, directory, safe_serialization)
-    partial.wait_for_everyone()
+    error = None
+    if PartialState().is_main_process:
+        try:
+            write_weights(state, directory, safe_serialization)
+        except Exception as exc:  # every process hears of it, not only the one that wrote
+            error = exc
+    raise_if_any_process_failed(error, f"writing {path}")
     return path
