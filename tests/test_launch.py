@@ -196,23 +196,23 @@ def test_missing_script_fails_before_starting_workers():
             "--node-rank 2 is not in [0, 2)",
         ),
         (["--nnodes", "1:2", "--master-addr", "10.0.0.1", "--node-rank", "0"], "needs the c10d rendezvous"),
+        # rendezvous flags the chosen rendezvous would drop
+        (
+            ["--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29400", "--master-addr", "10.9.9.9"],
+            "--master-addr 10.9.9.9 with --rdzv-endpoint 10.0.0.1:29400",
+        ),
+        (["--rdzv-endpoint", "10.0.0.1:29400", "--master-port", "1234"], "--master-port 1234 with"),
+        (["--rdzv-conf", "is_host=1"], "--rdzv-conf is_host=1 without --rdzv-endpoint"),
+        (["--rdzv-id", "job7"], "--rdzv-id job7 without --rdzv-endpoint"),
+        (["--nnodes", "1", "--node-rank", "5"], "--node-rank 5 with --nnodes 1: one node is node 0"),
     ],
 )
 def test_bad_flags_are_rejected_up_front(flags, message):
+    from unison.commands.launch import options_from_args
     from unison.commands.main import build_parser
 
-    args = build_parser().parse_args(["launch", *flags, WORKER])
-    options = LaunchOptions(
-        script=str(REPO_ROOT / WORKER),
-        nproc_per_node=args.nproc_per_node,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        max_restarts=args.max_restarts,
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        timeout=args.timeout,
-    )
+    args = build_parser().parse_args(["launch", *flags, str(REPO_ROOT / WORKER)])
+    options = options_from_args(args)
     with pytest.raises(LaunchError) as error:
         launcher.validate(options)
     assert message in str(error.value)

@@ -159,6 +159,7 @@ def validate(options: LaunchOptions) -> int:
     if options.max_restarts < 0:
         raise LaunchError(f"--max-restarts {options.max_restarts} is negative: pass 0 (no restart) or more.")
     min_nodes, max_nodes = parse_nnodes(options.nnodes)
+    _refuse_flags_without_effect(options, max_nodes)
     if max_nodes > 1 and not options.rdzv_endpoint:
         _validate_static_multi_node(options, max_nodes, min_nodes)
     nproc_per_node = resolve_nproc_per_node(_per_node(options, min_nodes, max_nodes), options.cpu)
@@ -217,6 +218,45 @@ def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int,
             config.validate(nproc_per_node * max_nodes)
     except ValueError as error:
         raise LaunchError(f"--parallelism: {error}") from None
+
+
+def _refuse_flags_without_effect(options: LaunchOptions, max_nodes: int) -> None:
+    """Rendezvous flags that the chosen rendezvous would drop are errors, not silently ignored.
+
+    --node-rank under --rdzv-endpoint stays allowed (and ignored, as torchrun does): cluster scripts
+    pass it everywhere, and the c10d rendezvous numbers nodes in the order they join.
+    """
+    if options.rdzv_endpoint:
+        given = [
+            f"--{name.replace('_', '-')} {value}"
+            for name, value in (("master_addr", options.master_addr), ("master_port", options.master_port))
+            if value is not None
+        ]
+        if given:
+            raise LaunchError(
+                f"{' and '.join(given)} with --rdzv-endpoint {options.rdzv_endpoint}: the c10d rendezvous "
+                "at the endpoint gives every node its address and rank, so these would be ignored. Pass "
+                "either --rdzv-endpoint HOST:PORT, or --master-addr/--master-port with --node-rank."
+            )
+        return
+    given = [
+        f"--{name.replace('_', '-')} {value}"
+        for name, value, default in (
+            ("rdzv_id", options.rdzv_id, LaunchOptions.rdzv_id),
+            ("rdzv_conf", options.rdzv_conf, LaunchOptions.rdzv_conf),
+        )
+        if value != default
+    ]
+    if given:
+        raise LaunchError(
+            f"{' and '.join(given)} without --rdzv-endpoint: they configure the c10d rendezvous, which "
+            "only --rdzv-endpoint HOST:PORT starts. Add it, or drop them."
+        )
+    if max_nodes == 1 and options.node_rank not in (None, 0):
+        raise LaunchError(
+            f"--node-rank {options.node_rank} with --nnodes {options.nnodes}: one node is node 0. Pass "
+            "--nnodes with the number of nodes, or drop --node-rank."
+        )
 
 
 def _validate_static_multi_node(options: LaunchOptions, max_nodes: int, min_nodes: int) -> None:

@@ -37,7 +37,8 @@ one node:
 several nodes, static rendezvous (run on every node, node ranks 0..N-1):
   unison launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
       --nproc-per-node 8 train.py
-several nodes, c10d rendezvous (ranks follow the order nodes join; --node-rank is ignored):
+several nodes, c10d rendezvous (ranks follow the order nodes join; --node-rank is ignored,
+  --master-addr and --master-port are refused):
   unison launch --nnodes 2 --rdzv-endpoint 10.0.0.1:29400 --local-addr THIS_NODE_IP \\
       --nproc-per-node 8 train.py
   If the hosting node does not recognise the endpoint as its own, add --rdzv-conf is_host=1 there.
