@@ -224,6 +224,12 @@ def test_project_configuration_has_accelerates_defaults_and_checks_total_limit(t
     assert config.checkpoints_dir == tmp_path / "checkpoints" and config.logging_dir == str(tmp_path)
     named = ProjectConfiguration(project_dir="runs/a", logging_dir="logs", total_limit=2)
     assert named.logging_dir == "logs" and named.checkpoints_dir == Path("runs/a/checkpoints")
+    named.set_directories("runs/b")  # Accelerator(project_config=named, project_dir="runs/b")
+    assert (named.project_dir, named.logging_dir) == ("runs/b", "logs")
+    following = ProjectConfiguration(project_dir="runs/a")  # logging_dir not given: it follows
+    following.set_directories("runs/b")
+    assert (following.project_dir, following.logging_dir) == ("runs/b", "runs/b")
+    assert following == ProjectConfiguration(project_dir="runs/b")
     for bad in (0, -1, 2.5, True):
         with pytest.raises(ValueError, match=rf"total_limit={bad!r} is not allowed"):
             ProjectConfiguration(project_dir="p", total_limit=bad)

@@ -28,7 +28,7 @@ import shutil
 import zlib
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -63,7 +63,8 @@ class ProjectConfiguration:
     ignored: `iteration` (names count optimizer steps, so a resumed run names its saves on from where
     it is; a save counter to start from has no meaning) and `save_on_each_node` (process 0 writes
     each checkpoint into one directory every process reads: a filesystem shared by the nodes).
-    logging_dir defaults to project_dir.
+    logging_dir follows project_dir unless it is given; it is where experiment trackers write, and
+    unison has none yet (Accelerate's `init_trackers`), so nothing is written there today.
     """
 
     project_dir: str | None = None
@@ -72,8 +73,10 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
+    _logging_dir_given: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
+        self._logging_dir_given = self.logging_dir is not None
         if self.logging_dir is None:
             self.logging_dir = self.project_dir
         if self.total_limit is not None:
@@ -93,9 +96,9 @@ class ProjectConfiguration:
             )
 
     def set_directories(self, project_dir: str | os.PathLike | None = None) -> None:
-        """Set project_dir, and logging_dir too unless it was given (as Accelerate does)."""
+        """Set project_dir, and logging_dir with it unless logging_dir was given explicitly."""
         self.project_dir = None if project_dir is None else os.fspath(project_dir)
-        if self.logging_dir is None:
+        if not self._logging_dir_given:
             self.logging_dir = self.project_dir
 
     @property
