@@ -61,6 +61,7 @@ def test_good_layouts_fill_the_world(config, world, expected):
         (ParallelismConfig(pp_size=2, pp_schedule="zb"), 2, ["pp_schedule='zb' is unknown", "'interleaved'"]),
         (ParallelismConfig(pp_size=2, pp_microbatches=0), 2, ["pp_microbatches=0 is not a count"]),
         (ParallelismConfig(pp_microbatches=4), 2, ["pp_microbatches=4 was given but pp_size=1"]),
+        (ParallelismConfig(pp_schedule="gpipe"), 2, ["pp_schedule='gpipe' was given but pp_size=1"]),
         (
             ParallelismConfig(tp_plan={"fc": "colwise"}),
             2,

@@ -235,6 +235,7 @@ class ParallelismConfig:
             ("tp_plan", self.tp_plan),
             ("pp_split_points", self.pp_split_points),
             ("pp_microbatches", self.pp_microbatches),
+            ("pp_schedule", self.pp_schedule if self.pp_schedule != "1f1b" else None),  # 1f1b: the default
         ):
             dimension = "pp_size" if option.startswith("pp_") else "tp_size"
             if value is not None and getattr(self, dimension) == 1:
