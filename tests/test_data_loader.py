@@ -142,6 +142,22 @@ def test_iterable_shard_loader(num_workers):
     assert all(len(loader) == 3 and loader.total_batch_size == 8 for loader in loaders)
 
 
+def test_even_batches_false_on_a_sharded_stream_is_refused_not_ignored():
+    """A stream read in shards always tops up its last round: even_batches=False cannot be kept."""
+    with pytest.raises(ValueError, match=r"even_batches=False cannot apply to an IterableDataset"):
+        prepare_data_loader(
+            DataLoader(Stream(), batch_size=4),
+            num_processes=2,
+            process_index=0,
+            dispatch_batches=False,
+            even_batches=False,
+        )
+    one = prepare_data_loader(
+        DataLoader(Stream(), batch_size=4), num_processes=1, process_index=0, even_batches=False
+    )
+    assert sum(len(batch) for batch in one) == SIZE  # one process: nothing to even out
+
+
 class ReadyMadeBatches(Dataset):
     """batch_size=None loaders: each index fetches a whole batch (or a list of indices fetches rows)."""
 

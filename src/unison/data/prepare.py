@@ -52,7 +52,8 @@ def prepare_data_loader(
     data_seed fixes the shuffling seed (default: the loader's generator's seed, else torch's
     initial seed, which set_seed sets); process 0's value is used everywhere.
     With split_batches, a batch size that is not a multiple of num_processes is a ValueError, raised
-    on every process since every process prepares the same loader.
+    on every process since every process prepares the same loader; so is even_batches=False for an
+    IterableDataset read in shards, which always evens its last round.
     """
     if not isinstance(dataloader, DataLoader):
         raise TypeError(
@@ -97,6 +98,14 @@ def prepare_data_loader(
         )
     if iterable:
         if num_processes > 1:
+            if not even_batches:
+                raise ValueError(
+                    "even_batches=False cannot apply to an IterableDataset read in shards: every process "
+                    "reads the stream and takes its slice of each round, and the last round is topped up "
+                    "from the stream's start (unless drop_last) because no process knows the length "
+                    "ahead. Leave even_batches=True (gather_for_metrics drops the top-up), set "
+                    "drop_last=True, or dispatch_batches=True to have process 0 read and send batches."
+                )
             if split_batches:
                 check_split(dataloader.batch_size, num_processes)
             dataset = IterableDatasetShard(
