@@ -5,6 +5,7 @@ The public names follow Hugging Face Accelerate, so a script migrates by changin
 
 from .accelerator import Accelerator
 from .checkpoint import CheckpointError, ProjectConfiguration
+from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
 from .data import (
     BatchSamplerShard,
     DataLoaderDispatcher,
@@ -36,11 +37,13 @@ __all__ = [
     "AcceleratorState",
     "BatchSamplerShard",
     "CheckpointError",
+    "DataLoaderConfiguration",
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "GradScalerKwargs",
+    "GradientAccumulationPlugin",
     "GradientState",
     "InitProcessGroupKwargs",
     "IterableDatasetShard",

@@ -19,12 +19,18 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from . import launch_env
+from . import launch_env, ops
 from .checkpoint import (
     ProjectConfiguration,
 )
 from .checkpoint.methods import CheckpointMethods
 from .collectives import CollectiveMethods
+from .configs import (
+    DataLoaderConfiguration,
+    GradientAccumulationPlugin,
+    resolve_accumulation,
+    resolve_dataloader_config,
+)
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
 from .item_count import ItemCount
 from .kwargs_handlers import (
@@ -76,12 +82,13 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
     def __init__(
         self,
         device_placement: bool = True,
-        split_batches: bool = False,
+        split_batches: bool | None = None,
         mixed_precision: str | None = None,
         gradient_accumulation_steps: int | None = None,
         cpu: bool | None = None,
+        dataloader_config: DataLoaderConfiguration | None = None,
         dispatch_batches: bool | None = None,
-        even_batches: bool = True,
+        even_batches: bool | None = None,
         rng_types: list[str] | None = None,
         step_scheduler_with_optimizer: bool = True,
         timeout: float | timedelta | None = None,
@@ -89,8 +96,20 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
         project_config: ProjectConfiguration | None = None,
         project_dir: str | os.PathLike | None = None,
         parallelism: ParallelismConfig | str | None = None,
+        gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
     ):
         handlers = sort_kwargs_handlers(kwargs_handlers)
+        # Accelerate 1.x's configuration objects, or the older direct arguments (given both ways: must agree)
+        self.dataloader_config = resolve_dataloader_config(
+            dataloader_config,
+            split_batches=split_batches,
+            dispatch_batches=dispatch_batches,
+            even_batches=even_batches,
+        )
+        self.gradient_accumulation_plugin = resolve_accumulation(
+            gradient_accumulation_plugin, gradient_accumulation_steps
+        )
+        gradient_accumulation_steps = self.gradient_accumulation_plugin.num_steps
         if gradient_accumulation_steps is None:
             gradient_accumulation_steps = launch_env.env_int(launch_env.GRADIENT_ACCUMULATION_STEPS, 1)
         self.gradient_accumulation_steps = _validate_accumulation_steps(gradient_accumulation_steps)
@@ -102,9 +121,6 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
         )
         self.gradient_state = GradientState(gradient_accumulation_steps=self.gradient_accumulation_steps)
         self.device_placement = device_placement
-        self.split_batches = split_batches
-        self.dispatch_batches = dispatch_batches
-        self.even_batches = even_batches
         self.rng_types = rng_types
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
         self.ddp_kwargs = handlers.get(
@@ -116,6 +132,7 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
         self._window_micro_steps = self.gradient_accumulation_steps  # of the window in progress
         self._in_accumulate = False  # inside accumulate(): see TrainingStepMethods._end_backward
         self._warned_outside_accumulate = False
+        self._trigger = False  # set_trigger / check_trigger
         self._models: list[torch.nn.Module] = []
         self._optimizers: list[AcceleratedOptimizer] = []
         self._schedulers: list[AcceleratedScheduler] = []
@@ -159,6 +176,23 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
             )
         return self.parallelism
 
+    # -- data loader settings (the dataloader_config's) ---------------------------------------------
+    @property
+    def split_batches(self) -> bool:
+        return self.dataloader_config.split_batches
+
+    @property
+    def dispatch_batches(self) -> bool | None:
+        return self.dataloader_config.dispatch_batches
+
+    @property
+    def even_batches(self) -> bool:
+        return self.dataloader_config.even_batches
+
+    @property
+    def non_blocking(self) -> bool:
+        return self.dataloader_config.non_blocking
+
     # -- process facts (the shared state's) ---------------------------------------------------------
     @property
     def device(self) -> torch.device:
@@ -196,6 +230,10 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
         return self.state.is_local_main_process
 
     @property
+    def is_last_process(self) -> bool:
+        return self.state.is_last_process
+
+    @property
     def use_distributed(self) -> bool:
         return self.state.use_distributed
 
@@ -227,8 +265,27 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
     def on_local_main_process(self, function: Callable) -> Callable:
         return self.state.on_local_main_process(function)
 
+    def on_last_process(self, function: Callable) -> Callable:
+        return self.state.on_last_process(function)
+
     def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
         return self.state.on_process(function, process_index=process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int = 0) -> Callable:
+        return self.state.on_local_process(function, local_process_index=local_process_index)
+
+    def set_trigger(self) -> None:
+        """Raise a flag on this process (e.g. its loss went NaN); `check_trigger` tells every process."""
+        self._trigger = True
+
+    def check_trigger(self) -> bool:
+        """True on every process if any process called set_trigger since the last check (then cleared).
+
+        Collective: call it at the same point on every process, e.g. once per step to stop together.
+        """
+        flag = torch.tensor([1.0 if self._trigger else 0.0], device=self.device)
+        self._trigger = False
+        return bool(ops.reduce(flag, "sum").item() > 0)
 
     def print(self, *args, **kwargs) -> None:
         self.state.print(*args, **kwargs)
@@ -401,6 +458,8 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
             rng_types=self.rng_types,
             dispatch_batches=self.dispatch_batches,
             even_batches=self.even_batches,
+            non_blocking=self.non_blocking,
+            data_seed=self.dataloader_config.data_seed,
         )
         self._remember(data_loader, prepared)
         self._dataloaders.append(prepared)

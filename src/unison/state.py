@@ -37,11 +37,27 @@ DEFAULT_TIMEOUT_SECONDS = 600.0
 
 
 class DistributedType(str, enum.Enum):
-    """How the processes of a run cooperate (Accelerate's names)."""
+    """How the processes of a run cooperate (all of Accelerate's names, so that a script's comparisons
+    with any of them are False rather than an AttributeError).
+
+    unison reports NO, MULTI_CPU or MULTI_GPU: its layouts (ZeRO/FSDP2, tensor, pipeline) are described
+    by `Accelerator.parallelism`, not by this type, and the other devices and engines are not run.
+    """
 
     NO = "NO"
     MULTI_CPU = "MULTI_CPU"
     MULTI_GPU = "MULTI_GPU"
+    MULTI_NPU = "MULTI_NPU"
+    MULTI_MLU = "MULTI_MLU"
+    MULTI_SDAA = "MULTI_SDAA"
+    MULTI_MUSA = "MULTI_MUSA"
+    MULTI_XPU = "MULTI_XPU"
+    DEEPSPEED = "DEEPSPEED"
+    FSDP = "FSDP"
+    XLA = "XLA"
+    MEGATRON_LM = "MEGATRON_LM"
+    MULTI_HPU = "MULTI_HPU"
+    MULTI_NEURON = "MULTI_NEURON"
 
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
@@ -340,11 +356,26 @@ class PartialState:
         """Decorator: run `function` on each node's local main process only."""
         return self._only_if(function, lambda: self.is_local_main_process)
 
+    def on_last_process(self, function: Callable) -> Callable:
+        """Decorator: run `function` on the last process only."""
+        return self._only_if(function, lambda: self.is_last_process)
+
     def on_process(self, function: Callable | None = None, process_index: int = 0) -> Callable:
         """Decorator: run `function` on the process with this index only."""
         if function is None:
             return functools.partial(self.on_process, process_index=process_index)
         return self._only_if(function, lambda: self.process_index == process_index)
+
+    def on_local_process(self, function: Callable | None = None, local_process_index: int = 0) -> Callable:
+        """Decorator: run `function` on the process with this index within each node only."""
+        if function is None:
+            return functools.partial(self.on_local_process, local_process_index=local_process_index)
+        return self._only_if(function, lambda: self.local_process_index == local_process_index)
+
+    def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
+        """Destroy `group` (default: every group, ending this process's collectives), as at exit."""
+        if dist.is_initialized():
+            dist.destroy_process_group(group)
 
     @staticmethod
     def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:

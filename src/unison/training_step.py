@@ -3,7 +3,8 @@
 A mixin, as collectives.py and checkpoint/methods.py are, so accelerator.py stays the façade. It
 decides which micro-step synchronises gradients, normalises them (by the accumulation steps, by the
 micro-batches a window really had, or by `num_items`), and runs a pipeline's schedule where no rank
-holds the whole model. It reads `gradient_state`, `gradient_accumulation_steps`, `step`, `_models`,
+holds the whole model. It reads `gradient_state`, `gradient_accumulation_steps`,
+`gradient_accumulation_plugin`, `step`, `_models`,
 `_optimizers`, `_item_count`, `precision`, `parallelism`, `device_mesh` and `device` from the
 Accelerator.
 """
@@ -43,8 +44,9 @@ class TrainingStepMethods:
 
     def _do_sync(self) -> None:
         """Decide whether this micro-step synchronises: every k-th, and always on a loader's last batch
-        (a window the loader cuts short then holds fewer than k micro-batches: `_window_micro_steps`)."""
-        if self.gradient_state.end_of_dataloader:
+        (a window the loader cuts short then holds fewer than k micro-batches: `_window_micro_steps`),
+        unless gradient_accumulation_plugin.sync_with_dataloader=False lets windows run across it."""
+        if self.gradient_state.end_of_dataloader and self.gradient_accumulation_plugin.sync_with_dataloader:
             self._window_micro_steps = self.step % self.gradient_accumulation_steps + 1
             self.step = 0
             self.gradient_state.sync_gradients = True
@@ -55,10 +57,11 @@ class TrainingStepMethods:
 
     @contextlib.contextmanager
     def accumulate(self, *models: torch.nn.Module) -> Iterator[None]:
-        """One micro-step: skip the gradient all-reduce unless this micro-step ends the window."""
+        """One micro-step: skip the gradient all-reduce unless this micro-step ends the window (or
+        gradient_accumulation_plugin.sync_each_batch asks for it on every micro-step)."""
         self._do_sync()
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients:
+            if not self.sync_gradients and not self.gradient_accumulation_plugin.sync_each_batch:
                 for model in models:
                     stack.enter_context(skip_gradient_sync(model))
             self._in_accumulate = True

@@ -1,0 +1,39 @@
+"""What scripts import from `accelerate.utils`, under the same names: `from accelerate.utils import X`
+becomes `from unison.utils import X`. Re-exports only; each name lives in the module that owns it."""
+
+from .checkpoint import ProjectConfiguration
+from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
+from .kwargs_handlers import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+from .ops import (
+    broadcast,
+    broadcast_object_list,
+    concatenate,
+    gather,
+    gather_object,
+    pad_across_processes,
+    reduce,
+    send_to_device,
+)
+from .parallel.config import ParallelismConfig
+from .random import set_seed
+from .state import DistributedType
+
+__all__ = [
+    "DataLoaderConfiguration",
+    "DistributedDataParallelKwargs",
+    "DistributedType",
+    "GradScalerKwargs",
+    "GradientAccumulationPlugin",
+    "InitProcessGroupKwargs",
+    "ParallelismConfig",
+    "ProjectConfiguration",
+    "broadcast",
+    "broadcast_object_list",
+    "concatenate",
+    "gather",
+    "gather_object",
+    "pad_across_processes",
+    "reduce",
+    "send_to_device",
+    "set_seed",
+]

@@ -1,0 +1,99 @@
+"""Accelerate 1.x's configuration objects and public surface: a script in Accelerate's idioms runs
+under `unison launch` with only its imports changed, and matches a single-process reference."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from launching import WORKERS, launch_ok
+
+import unison
+import unison.utils
+from unison import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
+from unison.state import DistributedType
+
+
+@pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
+def records(request, tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp(f"accelerate_style{request.param}")
+    launch_ok(WORKERS / "accelerate_style_worker.py", request.param, out)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(request.param)]
+
+
+def test_configuration_objects_train_as_one_process_with_the_global_batch(records):
+    for record in records:
+        assert record["max_param_diff"] < 1e-6, record["max_param_diff"]
+        assert record["lr_after"] == pytest.approx(0.5 / 5)  # four real steps, once each
+
+
+def test_sync_with_dataloader_decides_whether_the_loaders_end_closes_a_window(records):
+    for record in records:
+        # 3 rounds per epoch, 2 epochs, windows of 2
+        assert record["sync_pattern"]["True"] == [False, True, True, False, True, True]
+        assert record["sync_pattern"]["False"] == [False, True, False, True, False, True]
+
+
+def test_triggers_last_process_distributed_type_and_destroy(records):
+    last = len(records) - 1
+    for record in records:
+        assert record["triggers"] == [False, False, True, False]
+        assert record["distributed_type_checks"] == [True, False, False]
+        assert record["destroyed"]
+    assert [record["last_process"] for record in records] == [None] * last + [last]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_direct_arguments_and_configuration_objects_must_agree():
+    split = DataLoaderConfiguration(split_batches=True)
+    merged = Accelerator(cpu=True, split_batches=True, dataloader_config=split)
+    assert merged.split_batches and merged.even_batches and merged.dispatch_batches is None
+    uneven = Accelerator(cpu=True, even_batches=False)
+    assert uneven.dataloader_config == DataLoaderConfiguration(even_batches=False)
+    with pytest.raises(ValueError, match=r"split_batches=False conflicts with dataloader_config"):
+        Accelerator(cpu=True, split_batches=False, dataloader_config=split)
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2 and gradient_accumulation_plugin"):
+        plugin = GradientAccumulationPlugin(2)
+        Accelerator(cpu=True, gradient_accumulation_steps=2, gradient_accumulation_plugin=plugin)
+    with pytest.raises(TypeError, match=r"pass a unison.DataLoaderConfiguration"):
+        Accelerator(cpu=True, dataloader_config={"split_batches": True})
+    with pytest.raises(ValueError, match=r"gradient_accumulation_steps=0"):
+        Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=0))
+    default = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin())
+    assert default.gradient_accumulation_steps == 1
+
+
+def test_accelerate_defaults_and_the_utils_namespace():
+    assert DataLoaderConfiguration() == DataLoaderConfiguration(
+        split_batches=False,
+        dispatch_batches=None,
+        even_batches=True,
+        use_seedable_sampler=False,
+        data_seed=None,
+        non_blocking=False,
+        use_stateful_dataloader=False,
+    )
+    assert GradientAccumulationPlugin() == GradientAccumulationPlugin(
+        num_steps=None, adjust_scheduler=True, sync_with_dataloader=True, sync_each_batch=False
+    )
+    assert {member.name for member in DistributedType} >= {
+        "NO",
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_SDAA",
+        "MULTI_MUSA",
+        "MULTI_XPU",
+        "DEEPSPEED",
+        "FSDP",
+        "XLA",
+        "MEGATRON_LM",
+        "MULTI_HPU",
+        "MULTI_NEURON",
+    }
+    for name in unison.utils.__all__:  # re-exports: the very objects the package defines
+        if name in unison.__all__:
+            assert getattr(unison.utils, name) is getattr(unison, name), name
+    assert unison.utils.reduce(torch.tensor([2.0]), "sum").item() == 2.0

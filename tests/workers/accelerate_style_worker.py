@@ -1,0 +1,127 @@
+"""Launched by tests/test_accelerate_compat.py: a script written in Accelerate 1.x's idioms, with only
+the import lines changed, trained against a plain-torch reference that each rank computes itself.
+
+Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json:
+- "max_param_diff": dataloader_config (split_batches) + gradient_accumulation_plugin (num_steps=2,
+  sync_each_batch=True) + a scheduler that changes the rate every step, against one process that
+  reads each optimizer step's global batch at once;
+- "sync_pattern": which micro-steps synchronise over two epochs of 3 rounds with num_steps=2, with
+  sync_with_dataloader True and False;
+- "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Accelerator, PartialState
+from unison.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
+
+out_dir = Path(sys.argv[1])
+GLOBAL_BATCH, STEPS, ACCUMULATION = 12, 4, 2  # 12 rows: split evenly over 2 or 3 processes
+
+
+def make_model() -> nn.Module:
+    set_seed(7)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+
+
+def make_data(rows: int) -> TensorDataset:
+    generator = torch.Generator().manual_seed(3)
+    return TensorDataset(torch.randn(rows, 6, generator=generator), torch.randn(rows, 2, generator=generator))
+
+
+def schedule(optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+
+
+def reference(dataset: TensorDataset) -> nn.Module:
+    """One process, plain torch: each optimizer step takes the mean over its window's samples."""
+    model = make_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    scheduler = schedule(optimizer)
+    x, y = dataset.tensors
+    window = GLOBAL_BATCH * ACCUMULATION
+    for step in range(STEPS):
+        rows = slice(step * window, (step + 1) * window)
+        nn.functional.mse_loss(model(x[rows]), y[rows]).backward()
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return model
+
+
+dataset = make_data(GLOBAL_BATCH * ACCUMULATION * STEPS)
+accelerator = Accelerator(
+    cpu=True,
+    dataloader_config=DataLoaderConfiguration(split_batches=True),
+    gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=ACCUMULATION, sync_each_batch=True),
+)
+model = make_model()
+optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+loader = DataLoader(dataset, batch_size=GLOBAL_BATCH)  # split_batches: the global batch, cut per process
+model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, schedule(optimizer))
+for x, y in loader:
+    with accelerator.accumulate(model):
+        accelerator.backward(nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+plain = reference(dataset)
+record = {
+    "max_param_diff": max(
+        (a - b).abs().max().item()
+        for a, b in zip(accelerator.unwrap_model(model).parameters(), plain.parameters())
+    ),
+    "lr_after": scheduler.get_last_lr()[0],
+}
+
+patterns = {}
+for sync_with_dataloader in (True, False):
+    looping = Accelerator(
+        cpu=True,
+        gradient_accumulation_plugin=GradientAccumulationPlugin(
+            num_steps=ACCUMULATION, sync_with_dataloader=sync_with_dataloader
+        ),
+    )
+    net = looping.prepare(make_model())
+    rounds = looping.prepare(DataLoader(make_data(3 * 2 * looping.num_processes), batch_size=2))
+    pattern = []
+    for _epoch in range(2):
+        for x, y in rounds:
+            with looping.accumulate(net):
+                looping.backward(nn.functional.mse_loss(net(x), y))
+                pattern.append(looping.sync_gradients)
+    patterns[str(sync_with_dataloader)] = pattern
+record["sync_pattern"] = patterns
+
+# A flag raised on the last process alone stops every process at the same step.
+seen = []
+for step in range(4):
+    if step == 2 and accelerator.is_last_process:
+        accelerator.set_trigger()
+    seen.append(accelerator.check_trigger())
+record["triggers"] = seen
+
+
+@accelerator.on_last_process
+def mark_last() -> int:
+    return accelerator.process_index
+
+
+record["last_process"] = mark_last()
+record["distributed_type_checks"] = [
+    accelerator.distributed_type == DistributedType.MULTI_CPU,
+    accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA),
+    accelerator.distributed_type == DistributedType.MULTI_XPU,
+]
+rank = accelerator.process_index
+accelerator.wait_for_everyone()
+PartialState().destroy_process_group()
+record["destroyed"] = not dist.is_initialized()
+(out_dir / f"rank{rank}.json").write_text(json.dumps(record))
