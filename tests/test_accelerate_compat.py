@@ -35,6 +35,13 @@ def test_sync_with_dataloader_decides_whether_the_loaders_end_closes_a_window(re
         assert record["sync_pattern"]["False"] == [False, True, False, True, False, True]
 
 
+def test_ddp_communication_hook_reaches_torchs_fp16_compression(records):
+    for record in records:
+        hook = record["fp16_hook"]
+        assert hook["representable_in_fp16"] and hook["differs_from_fp32"], hook
+        assert hook["max_relative_error"] < 2e-3, hook  # fp16's rounding, not another computation
+
+
 def test_triggers_last_process_distributed_type_and_destroy(records):
     last = len(records) - 1
     for record in records:
@@ -97,3 +104,32 @@ def test_accelerate_defaults_and_the_utils_namespace():
         if name in unison.__all__:
             assert getattr(unison.utils, name) is getattr(unison, name), name
     assert unison.utils.reduce(torch.tensor([2.0]), "sum").item() == 2.0
+
+
+@pytest.mark.usefixtures("fresh_state")
+@pytest.mark.parametrize("enabled", [True, False])
+def test_autocast_kwargs_reach_torch_autocast(enabled):
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 8), torch.randn(4, 8)
+    full = model(x).detach()
+    handler = unison.AutocastKwargs(enabled=enabled, cache_enabled=False)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", kwargs_handlers=[handler])
+    prepared = accelerator.prepare(model)
+    assert torch.equal(prepared(x).detach(), full) is not enabled  # enabled: bf16 matmul rounds
+    with accelerator.autocast():
+        assert torch.is_autocast_enabled("cpu") is enabled
+        assert not enabled or not torch.is_autocast_cache_enabled()
+
+
+def test_communication_hook_options_that_would_be_ignored_are_refused():
+    Kwargs = unison.DistributedDataParallelKwargs
+    with pytest.raises(ValueError, match=r"comm_hook='fp32' is not a DDP communication hook"):
+        Kwargs(comm_hook="fp32")
+    with pytest.raises(ValueError, match=r"comm_wrapper='fp16' with comm_hook='bf16'"):
+        Kwargs(comm_hook="bf16", comm_wrapper="fp16")
+    with pytest.raises(ValueError, match=r"comm_state_option=.* configures PowerSGD"):
+        Kwargs(comm_hook="fp16", comm_state_option={"matrix_approximation_rank": 2})
+    assert Kwargs(comm_hook="power_sgd", comm_wrapper="bf16").changed_kwargs() == {
+        "comm_hook": "power_sgd",
+        "comm_wrapper": "bf16",
+    }

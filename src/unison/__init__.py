@@ -14,7 +14,12 @@ from .data import (
     prepare_data_loader,
     skip_first_batches,
 )
-from .kwargs_handlers import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+from .kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
 from .notebook import notebook_launcher
 from .ops import (
     broadcast,
@@ -26,6 +31,7 @@ from .ops import (
     reduce,
     send_to_device,
 )
+from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
 from .random import set_seed
 from .state import AcceleratorState, DistributedType, GradientState, PartialState
@@ -35,8 +41,10 @@ __version__ = "0.1.0"
 __all__ = [
     "Accelerator",
     "AcceleratorState",
+    "AutocastKwargs",
     "BatchSamplerShard",
     "CheckpointError",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DataLoaderDispatcher",
     "DataLoaderShard",

@@ -34,6 +34,7 @@ from .configs import (
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
 from .item_count import ItemCount
 from .kwargs_handlers import (
+    AutocastKwargs,
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
@@ -127,7 +128,10 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
             DistributedDataParallelKwargs, DistributedDataParallelKwargs()
         ).changed_kwargs()
         scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).changed_kwargs()
-        self.precision = PrecisionPolicy(self.state.mixed_precision, self.device, scaler_kwargs)
+        autocast_kwargs = handlers.get(AutocastKwargs, AutocastKwargs()).changed_kwargs()
+        self.precision = PrecisionPolicy(
+            self.state.mixed_precision, self.device, scaler_kwargs, autocast_kwargs
+        )
         self.step = 0  # micro-steps since the last sync (Accelerate's meaning)
         self._window_micro_steps = self.gradient_accumulation_steps  # of the window in progress
         self._in_accumulate = False  # inside accumulate(): see TrainingStepMethods._end_backward

@@ -7,9 +7,11 @@ options a user changed; the rest keep torch's own defaults.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
+
+from .parallel.comm_hooks import DDPCommunicationHookType, check_hook_options
 
 
 class _KwargsHandler:
@@ -27,10 +29,11 @@ class _KwargsHandler:
 class DistributedDataParallelKwargs(_KwargsHandler):
     """Options for torch.nn.parallel.DistributedDataParallel (torch's defaults).
 
-    Applied where the layout runs DDP (ddp, zero1); refused with a ValueError by layouts whose replicas
-    run on FSDP2 (ZeRO-2/3, HSDP, data parallelism beside tensor or pipeline parallelism), which have
-    no such options, and by pure tensor or pipeline parallelism over several processes, which has no
-    replicas; ignored by a single process, which has no wrapper."""
+    comm_hook / comm_wrapper / comm_state_option register one of torch's DDP communication hooks
+    (parallel/comm_hooks.py). Applied where the layout runs DDP (ddp, zero1); refused with a
+    ValueError by layouts whose replicas run on FSDP2 (ZeRO-2/3, HSDP, data parallelism beside tensor
+    or pipeline parallelism), which have no such options, and by pure tensor or pipeline parallelism
+    over several processes, which has no replicas; ignored by a single process, which has no wrapper."""
 
     dim: int = 0
     broadcast_buffers: bool = True
@@ -39,6 +42,22 @@ class DistributedDataParallelKwargs(_KwargsHandler):
     check_reduction: bool = False
     gradient_as_bucket_view: bool = False
     static_graph: bool = False
+    comm_hook: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_wrapper: DDPCommunicationHookType = DDPCommunicationHookType.NO
+    comm_state_option: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        check_hook_options(self.comm_hook, self.comm_wrapper, self.comm_state_option)
+
+
+@dataclass
+class AutocastKwargs(_KwargsHandler):
+    """Options for torch.autocast in mixed precision: enabled=False runs the prepared models' forward
+    (and accelerator.autocast()) in full precision; cache_enabled is torch.autocast's weight-cast cache
+    (None: torch's default)."""
+
+    enabled: bool = True
+    cache_enabled: bool | None = None
 
 
 @dataclass
@@ -86,7 +105,7 @@ def check_process_group_kwargs(kwargs: InitProcessGroupKwargs | None, backend: s
         )
 
 
-KWARGS_HANDLERS = (DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)
+KWARGS_HANDLERS = (AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)
 
 
 def sort_kwargs_handlers(handlers: list | tuple | None) -> dict[type, _KwargsHandler]:

@@ -22,11 +22,19 @@ class PrecisionPolicy:
     """The precision a run trains in, on one device type."""
 
     def __init__(
-        self, mixed_precision: str, device: torch.device, scaler_kwargs: dict[str, Any] | None = None
+        self,
+        mixed_precision: str,
+        device: torch.device,
+        scaler_kwargs: dict[str, Any] | None = None,
+        autocast_kwargs: dict[str, Any] | None = None,
     ):
+        """scaler_kwargs / autocast_kwargs: GradScalerKwargs' / AutocastKwargs' changed options."""
         self.mixed_precision = mixed_precision
         self.device_type = device.type
         self.dtype = AUTOCAST_DTYPES.get(mixed_precision)
+        autocast_kwargs = dict(autocast_kwargs or {})
+        self.autocast_enabled = autocast_kwargs.pop("enabled", True)
+        self.autocast_options = {k: v for k, v in autocast_kwargs.items() if v is not None}
         self.scaler = (
             torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {}))
             if mixed_precision == "fp16"
@@ -39,9 +47,9 @@ class PrecisionPolicy:
 
     def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
         """torch.autocast in the run's dtype, or a null context in full precision."""
-        if not (enabled and self.enabled):
+        if not (enabled and self.enabled and self.autocast_enabled):
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype)
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **self.autocast_options)
 
     def attach_to(self, model: torch.nn.Module) -> None:
         """Run `model`'s forward under autocast and hand its floating outputs back in fp32."""

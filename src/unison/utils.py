@@ -3,7 +3,12 @@ becomes `from unison.utils import X`. Re-exports only; each name lives in the mo
 
 from .checkpoint import ProjectConfiguration
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
-from .kwargs_handlers import DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs
+from .kwargs_handlers import (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+)
 from .ops import (
     broadcast,
     broadcast_object_list,
@@ -14,11 +19,14 @@ from .ops import (
     reduce,
     send_to_device,
 )
+from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
 from .random import set_seed
 from .state import DistributedType
 
 __all__ = [
+    "AutocastKwargs",
+    "DDPCommunicationHookType",
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",

@@ -7,6 +7,8 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
   reads each optimizer step's global batch at once;
 - "sync_pattern": which micro-steps synchronise over two epochs of 3 rounds with num_steps=2, with
   sync_with_dataloader True and False;
+- "fp16_hook": DDP's gradient all-reduce through torch's fp16 compression hook, against the fp32
+  mean of every rank's local gradient;
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
 """
 
@@ -20,7 +22,14 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState
-from unison.utils import DataLoaderConfiguration, DistributedType, GradientAccumulationPlugin, set_seed
+from unison.utils import (
+    DataLoaderConfiguration,
+    DDPCommunicationHookType,
+    DistributedDataParallelKwargs,
+    DistributedType,
+    GradientAccumulationPlugin,
+    set_seed,
+)
 
 out_dir = Path(sys.argv[1])
 GLOBAL_BATCH, STEPS, ACCUMULATION = 12, 4, 2  # 12 rows: split evenly over 2 or 3 processes
@@ -99,6 +108,25 @@ for sync_with_dataloader in (True, False):
                 pattern.append(looping.sync_gradients)
     patterns[str(sync_with_dataloader)] = pattern
 record["sync_pattern"] = patterns
+
+# DDPCommunicationHookType.FP16: gradients averaged in fp16 (so each is an fp16 value), close to fp32's.
+hooked = Accelerator(
+    cpu=True, kwargs_handlers=[DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.FP16)]
+)
+net = hooked.prepare(make_model())
+plain = make_model()
+inputs = torch.randn(4, 6, generator=torch.Generator().manual_seed(10 + hooked.process_index))
+hooked.backward(net(inputs).pow(2).mean())
+plain(inputs).pow(2).mean().backward()
+exact = [p.grad / hooked.num_processes for p in plain.parameters()]
+for grad in exact:
+    dist.all_reduce(grad)
+synced = [p.grad for p in net.parameters()]
+record["fp16_hook"] = {
+    "representable_in_fp16": all(torch.equal(g, g.half().float()) for g in synced),
+    "max_relative_error": max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(synced, exact)),
+    "differs_from_fp32": any(not torch.equal(g, e) for g, e in zip(synced, exact)),
+}
 
 # A flag raised on the last process alone stops every process at the same step.
 seen = []

@@ -12,15 +12,23 @@ from typing import Any
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
+from .comm_hooks import register_comm_hook, split_hook_options
 from .engines import is_fsdp_module
 
 
 def wrap_ddp(
     model: torch.nn.Module, device: torch.device, ddp_kwargs: dict[str, Any]
 ) -> DistributedDataParallel:
-    """Wrap `model` (already on `device`) in DDP; parameters are broadcast from process 0 here."""
+    """Wrap `model` (already on `device`) in DDP; parameters are broadcast from process 0 here.
+
+    `ddp_kwargs` are DistributedDataParallelKwargs' changed options: DDP's own, and a communication
+    hook (parallel/comm_hooks.py) registered on the result.
+    """
+    constructor, hook = split_hook_options(ddp_kwargs)
     device_ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=device_ids, **ddp_kwargs)
+    wrapped = DistributedDataParallel(model, device_ids=device_ids, **constructor)
+    register_comm_hook(wrapped, **hook)
+    return wrapped
 
 
 def wrap_data_parallel(model: torch.nn.Module) -> torch.nn.DataParallel:

@@ -29,6 +29,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.blocks import find_blocks
+from unison.parallel.comm_hooks import register_comm_hook, split_hook_options
 
 logger = logging.getLogger("unison")
 
@@ -92,12 +93,15 @@ def apply_zero(
                 "Pass the data-parallel sub-mesh, e.g. mesh['dp']."
             )
         device = next(model.parameters()).device
-        return DistributedDataParallel(
+        constructor, hook = split_hook_options(ddp_kwargs or {})
+        wrapped = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             process_group=mesh.get_group() if mesh is not None else None,
-            **(ddp_kwargs or {}),
+            **constructor,
         )
+        register_comm_hook(wrapped, **hook)
+        return wrapped
     if mesh is None:
         device_type = next(model.parameters()).device.type
         mesh = init_device_mesh(device_type, (torch.distributed.get_world_size(),))
