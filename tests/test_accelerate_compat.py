@@ -48,6 +48,7 @@ def test_triggers_last_process_distributed_type_and_destroy(records):
         assert record["triggers"] == [False, False, True, False]
         assert record["distributed_type_checks"] == [True, False, False]
         assert record["destroyed"]
+        assert record["saved_by"] == 0
     assert [record["last_process"] for record in records] == [None] * last + [last]
 
 
@@ -133,3 +134,29 @@ def test_communication_hook_options_that_would_be_ignored_are_refused():
         "comm_hook": "power_sgd",
         "comm_wrapper": "bf16",
     }
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_save_and_free_memory(tmp_path):
+    from safetensors.torch import load_file
+
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(3, 3)
+    tied = {"a": model.weight, "b": model.weight, "bias": model.bias}  # one tensor under two names
+    accelerator.save(tied, tmp_path / "tied.safetensors", safe_serialization=True)
+    loaded = load_file(tmp_path / "tied.safetensors")
+    weights = [value for name, value in loaded.items() if name != "bias"]
+    assert len(weights) == 1 and torch.equal(weights[0], model.weight.detach())  # the tie written once
+    accelerator.save({"step": 3}, tmp_path / "state.pt")
+    assert torch.load(tmp_path / "state.pt") == {"step": 3}
+    with pytest.raises(TypeError, match=r"holds a dict of tensors; got a list"):
+        accelerator.save([1, 2], tmp_path / "list.safetensors", safe_serialization=True)
+
+    prepared, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    accelerator.backward(prepared(torch.ones(2, 3)).sum())
+    optimizer.step()
+    assert accelerator.optimizer_steps == 1
+    assert accelerator.free_memory(prepared, optimizer) == [None, None]
+    assert accelerator.optimizer_steps == 0 and not accelerator._models and accelerator.step == 0
+    second = accelerator.prepare(torch.nn.Linear(3, 1))  # a second training in the same script
+    assert accelerator._models == [second]

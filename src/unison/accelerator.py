@@ -32,6 +32,7 @@ from .configs import (
     resolve_dataloader_config,
 )
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
+from .device_memory import release_memory
 from .item_count import ItemCount
 from .kwargs_handlers import (
     AutocastKwargs,
@@ -475,6 +476,19 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
     def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
         """The user's module inside the wrappers prepare() added."""
         return unwrap(model)
+
+    def free_memory(self, *objects: Any) -> list[None]:
+        """Forget every prepared object (models, optimizers, schedulers, loaders) and the step counters,
+        then release `objects` as `release_memory` does: between two trainings in one script."""
+        self._models.clear()
+        self._optimizers.clear()
+        self._schedulers.clear()
+        self._dataloaders.clear()
+        self._custom_objects.clear()
+        self._replaced_parameters.clear()
+        self._item_count = ItemCount()
+        self.step = 0
+        return release_memory(*objects)
 
     def end_training(self) -> None:
         """Mark the end of the run: every process finishes its work before any goes on to exit."""

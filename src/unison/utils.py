@@ -3,6 +3,7 @@ becomes `from unison.utils import X`. Re-exports only; each name lives in the mo
 
 from .checkpoint import ProjectConfiguration
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
+from .device_memory import release_memory
 from .kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -42,6 +43,7 @@ __all__ = [
     "gather_object",
     "pad_across_processes",
     "reduce",
+    "release_memory",
     "send_to_device",
     "set_seed",
 ]

@@ -149,6 +149,10 @@ record["distributed_type_checks"] = [
     accelerator.distributed_type == DistributedType.MULTI_XPU,
 ]
 rank = accelerator.process_index
+# accelerator.save: the main process writes, whoever calls (here: every process, each its own value)
+accelerator.save({"writer": torch.tensor([rank])}, out_dir / "saved.pt")
+accelerator.wait_for_everyone()
+record["saved_by"] = torch.load(out_dir / "saved.pt")["writer"].item()
 accelerator.wait_for_everyone()
 PartialState().destroy_process_group()
 record["destroyed"] = not dist.is_initialized()

@@ -17,7 +17,7 @@ from ..ops import broadcast_object_list
 from ..parallel.ddp import wrapper_prefix
 from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
 from .training_state import load_training_state, save_training_state
-from .weights import consolidated_state_dict, save_consolidated_weights
+from .weights import consolidated_state_dict, save_consolidated_weights, save_on_main_process
 
 
 class CheckpointMethods:
@@ -107,6 +107,20 @@ class CheckpointMethods:
             return state
         prefix = wrapper_prefix(model)  # unwrap=False: the keys of the wrapper's own state_dict()
         return {prefix + key: value for key, value in state.items()}
+
+    def save(
+        self,
+        obj: Any,
+        f: str | os.PathLike,
+        safe_serialization: bool = False,
+        save_on_each_node: bool = False,
+    ) -> None:
+        """torch.save in place: the main process writes `obj` to `f` (Accelerate's `accelerator.save`).
+
+        Not collective. safe_serialization=True writes a dict of tensors as a safetensors file;
+        save_on_each_node=True has each node's local main process write (no shared filesystem).
+        """
+        save_on_main_process(obj, f, safe_serialization, save_on_each_node)
 
     def save_model(
         self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True

@@ -7,8 +7,10 @@ DDP, FSDP2/ZeRO, tensor parallel, pipeline stages that each hold some of the key
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -48,6 +50,26 @@ def write_weights(
     path = directory / SAFETENSORS_FILE
     safetensors_save_model()(_StateDictHolder(state_dict), str(path))
     return path
+
+
+def save_on_main_process(
+    obj: Any, f: str | os.PathLike, safe_serialization: bool = False, save_on_each_node: bool = False
+) -> None:
+    """`torch.save(obj, f)` (or a safetensors file of a tensor dict) by the main process only, or by
+    each node's local main process with save_on_each_node. Not collective: scripts call it inside
+    `if accelerator.is_main_process:` as often as outside it."""
+    state = PartialState()
+    if not (state.is_local_main_process if save_on_each_node else state.is_main_process):
+        return
+    if not safe_serialization:
+        torch.save(obj, f)
+        return
+    if not isinstance(obj, dict) or not all(isinstance(v, torch.Tensor) for v in obj.values()):
+        raise TypeError(
+            f"save(..., safe_serialization=True) writes a safetensors file, which holds a dict of tensors; "
+            f"got a {type(obj).__name__}. Pass a state dict, or safe_serialization=False for torch.save."
+        )
+    safetensors_save_model()(_StateDictHolder(obj), os.fspath(f))  # tied tensors once, as save_model
 
 
 def safetensors_save_model() -> Callable[..., None]:
