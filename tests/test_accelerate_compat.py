@@ -4,6 +4,7 @@ under `unison launch` with only its imports changed, and matches a single-proces
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -40,6 +41,14 @@ def test_ddp_communication_hook_reaches_torchs_fp16_compression(records):
         hook = record["fp16_hook"]
         assert hook["representable_in_fp16"] and hook["differs_from_fp32"], hook
         assert hook["max_relative_error"] < 2e-3, hook  # fp16's rounding, not another computation
+
+
+def test_trackers_run_on_the_main_process_only(records):
+    assert [record["trackers_here"] for record in records] == [["jsonl", "csv"]] + [[]] * (len(records) - 1)
+    run = records[0]["runs_dir"]
+    lines = (Path(run) / "exp" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(lines[0]) == {"config": {"lr": 0.5}} and len(lines) == 2
+    assert json.loads(lines[1])["loss"] == 0.0  # the main process's own value, written once
 
 
 def test_triggers_last_process_distributed_type_and_destroy(records):

@@ -35,6 +35,7 @@ from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
 from .random import set_seed
 from .state import AcceleratorState, DistributedType, GradientState, PartialState
+from .tracking import GeneralTracker, LoggerType
 
 __version__ = "0.1.0"
 
@@ -50,11 +51,13 @@ __all__ = [
     "DataLoaderShard",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "GeneralTracker",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "GradientState",
     "InitProcessGroupKwargs",
     "IterableDatasetShard",
+    "LoggerType",
     "ParallelismConfig",
     "PartialState",
     "ProjectConfiguration",

@@ -58,6 +58,8 @@ from .parallel.pipeline import PipelineModel
 from .planner import Plan
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
+from .tracking.base import GeneralTracker, LoggerType, resolve_log_with
+from .tracking.methods import TrackingMethods
 from .training_step import TrainingStepMethods
 
 _SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
@@ -73,7 +75,7 @@ def _validate_accumulation_steps(value: Any) -> int:
     return value
 
 
-class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
+class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, TrackingMethods):
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
@@ -99,8 +101,11 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
         project_dir: str | os.PathLike | None = None,
         parallelism: ParallelismConfig | str | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
+        log_with: str | LoggerType | GeneralTracker | list | None = None,
     ):
         handlers = sort_kwargs_handlers(kwargs_handlers)
+        self.log_with = resolve_log_with(log_with)  # a tracker that is unknown or not installed: now
+        self.trackers: list[GeneralTracker] = []
         # Accelerate 1.x's configuration objects, or the older direct arguments (given both ways: must agree)
         self.dataloader_config = resolve_dataloader_config(
             dataloader_config,
@@ -491,5 +496,7 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods):
         return release_memory(*objects)
 
     def end_training(self) -> None:
-        """Mark the end of the run: every process finishes its work before any goes on to exit."""
+        """Mark the end of the run: the trackers are closed, and every process finishes its work before
+        any goes on to exit."""
+        self.finish_trackers()
         self.wait_for_everyone()

@@ -24,6 +24,7 @@ from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
 from .random import set_seed
 from .state import DistributedType
+from .tracking import GeneralTracker, LoggerType
 
 __all__ = [
     "AutocastKwargs",
@@ -31,9 +32,11 @@ __all__ = [
     "DataLoaderConfiguration",
     "DistributedDataParallelKwargs",
     "DistributedType",
+    "GeneralTracker",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",
+    "LoggerType",
     "ParallelismConfig",
     "ProjectConfiguration",
     "broadcast",

@@ -148,6 +148,14 @@ record["distributed_type_checks"] = [
     accelerator.distributed_type in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.XLA),
     accelerator.distributed_type == DistributedType.MULTI_XPU,
 ]
+# Trackers: the main process writes the run's files; every process calls the same lines.
+tracked = Accelerator(cpu=True, project_dir=out_dir / "runs", log_with=["jsonl", "csv"])
+tracked.init_trackers("exp", config={"lr": 0.5})
+tracked.log({"loss": torch.tensor(float(tracked.process_index)), "step_time": 0.25}, step=1)
+record["trackers_here"] = [tracker.name for tracker in tracked.trackers]
+record["runs_dir"] = str(out_dir / "runs")
+tracked.end_training()
+
 rank = accelerator.process_index
 # accelerator.save: the main process writes, whoever calls (here: every process, each its own value)
 accelerator.save({"writer": torch.tensor([rank])}, out_dir / "saved.pt")
