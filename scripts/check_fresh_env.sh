@@ -27,7 +27,7 @@ cd "$workdir"
 "$venv_python" - <<'PYCODE'
 import importlib.util
 import unison
-for extra in ("pytest", "safetensors"):  # test-only packages must not have come along
+for extra in ("pytest", "safetensors", "tensorboard"):  # test-only packages must not have come along
     assert importlib.util.find_spec(extra) is None, f"{extra} is installed: the fresh env is not bare"
 print(f"[fresh env] import unison {unison.__version__} from {unison.__file__}")
 
@@ -41,6 +41,13 @@ try:
 except ImportError as error:
     assert "pip install 'unison[safetensors]'" in str(error), error
 print("[fresh env] save_model without safetensors names the extra: ok")
+try:
+    unison.Accelerator(cpu=True, log_with="tensorboard")
+    raise SystemExit("log_with='tensorboard' was accepted without the tensorboard package")
+except ImportError as error:
+    assert "pip install 'unison[tensorboard]'" in str(error), error
+assert unison.Accelerator(cpu=True, log_with="all").log_with == ["jsonl", "csv"]
+print("[fresh env] trackers: jsonl and csv built in, tensorboard names its extra: ok")
 PYCODE
 "$workdir/venv/bin/unison" --help > /dev/null
 "$workdir/venv/bin/unison" launch --help > /dev/null

@@ -77,7 +77,7 @@ def test_jsonl_and_csv_hold_what_was_logged(tmp_path):
 
 def test_all_means_every_available_tracker_and_bad_names_fail_before_the_run(tmp_path):
     accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="all")
-    assert accelerator.log_with == [LoggerType.JSONL, LoggerType.CSV]
+    assert accelerator.log_with == [LoggerType.JSONL, LoggerType.CSV, LoggerType.TENSORBOARD]
     with pytest.raises(ValueError, match=r"log_with='tensorbored' is not a tracker"):
         Accelerator(cpu=True, log_with="tensorbored")
     with pytest.raises(ValueError, match=r"log_with='aim': unison does not provide this tracker yet"):
@@ -91,3 +91,32 @@ def test_all_means_every_available_tracker_and_bad_names_fail_before_the_run(tmp
     with pytest.raises(ValueError, match=r"get_tracker\('wandb'\): no such tracker was started"):
         accelerator.get_tracker("wandb")
     accelerator.end_training()
+
+
+def test_tensorboard_event_files_hold_the_scalars_text_and_hyperparameters(tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.plugins.hparams import plugin_data_pb2
+
+    accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="tensorboard")
+    accelerator.init_trackers("exp", config={"lr": 0.5, "optimizer": "adamw"})
+    for step in range(3):
+        accelerator.log({"loss": torch.tensor(2.0 - step), "note": f"step {step}"}, step=step)
+    writer = accelerator.get_tracker("tensorboard", unwrap=True)
+    assert writer.log_dir == str(tmp_path / "exp")
+    accelerator.end_training()
+    events = EventAccumulator(str(tmp_path / "exp"))
+    events.Reload()
+    assert [(e.step, e.value) for e in events.Scalars("loss")] == [(0, 2.0), (1, 1.0), (2, 0.0)]
+    assert "note/text_summary" in events.Tags()["tensors"]
+    session = events.summary_metadata["_hparams_/session_start_info"].plugin_data.content
+    hparams = plugin_data_pb2.HParamsPluginData.FromString(session).session_start_info.hparams
+    assert (hparams["lr"].number_value, hparams["optimizer"].string_value) == (0.5, "adamw")
+
+
+def test_a_tracker_whose_library_is_missing_names_the_extra(tmp_path, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "unison.tracking.tensorboard", None)  # as if not installed
+    with pytest.raises(ImportError, match=r"pip install 'unison\[tensorboard\]'"):
+        Accelerator(cpu=True, project_dir=tmp_path, log_with="tensorboard")
+    assert Accelerator(cpu=True, log_with="all").log_with == [LoggerType.JSONL, LoggerType.CSV]

@@ -63,28 +63,41 @@ class GeneralTracker:
         """Flush and close whatever start() opened."""
 
 
-_BUILT_IN = {
+_TRACKERS = {
     LoggerType.JSONL: ("unison.tracking.files", "JSONLinesTracker", None),
     LoggerType.CSV: ("unison.tracking.files", "CSVTracker", None),
+    LoggerType.TENSORBOARD: ("unison.tracking.tensorboard", "TensorBoardTracker", "tensorboard"),
 }
 """name -> (module, class, the extra that installs its library, None: nothing to install)."""
 
 
 def tracker_class(name: LoggerType) -> type[GeneralTracker]:
     """The class behind a tracker name, imported on first use."""
-    if name not in _BUILT_IN:
-        available = ", ".join(repr(n.value) for n in _BUILT_IN)
+    if name not in _TRACKERS:
+        available = ", ".join(repr(n.value) for n in _TRACKERS)
         raise ValueError(
             f"log_with={name.value!r}: unison does not provide this tracker yet. Use one of {available}, "
             "or pass an instance of your own unison.tracking.GeneralTracker subclass."
         )
-    module, cls, extra = _BUILT_IN[name]
+    module, cls, extra = _TRACKERS[name]
     try:
         return getattr(importlib.import_module(module), cls)
     except ImportError as error:
         raise ImportError(
-            f"log_with={name.value!r} needs {error.name}: `pip install 'unison[{extra}]'`."
+            f"log_with={name.value!r} needs the {extra} package ({error}): `pip install 'unison[{extra}]'`."
         ) from None
+
+
+def _available() -> list[LoggerType]:
+    """What log_with="all" means: every tracker unison provides whose library is installed."""
+    available = []
+    for name in _TRACKERS:
+        try:
+            tracker_class(name)
+        except ImportError:
+            continue
+        available.append(name)
+    return available
 
 
 def resolve_log_with(log_with: Any) -> list[LoggerType | GeneralTracker]:
@@ -105,7 +118,7 @@ def resolve_log_with(log_with: Any) -> list[LoggerType | GeneralTracker]:
             raise ValueError(
                 f"log_with={item!r} is not a tracker: pass one of {choices}, or a GeneralTracker instance."
             ) from None
-        names = list(_BUILT_IN) if name is LoggerType.ALL else [name]
+        names = _available() if name is LoggerType.ALL else [name]
         for one in names:
             tracker_class(one)  # unknown or not installed: said now, not after the first epoch
             if one not in resolved:
