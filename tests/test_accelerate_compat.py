@@ -51,6 +51,13 @@ def test_trackers_run_on_the_main_process_only(records):
     assert json.loads(lines[1])["loss"] == 0.0  # the main process's own value, written once
 
 
+def test_an_out_of_memory_error_on_one_process_shrinks_the_batch_size_everywhere(records):
+    for record in records:
+        found = record["executable_batch_size"]
+        assert found["attempts"] == [100, 90, 81, 72, 64, 57], found  # x0.9 each time, as Accelerate
+        assert found["summed"] == 57 * len(records)  # every process trained at 57
+
+
 def test_triggers_last_process_distributed_type_and_destroy(records):
     last = len(records) - 1
     for record in records:

@@ -14,6 +14,7 @@ from .data import (
     prepare_data_loader,
     skip_first_batches,
 )
+from .device_memory import find_executable_batch_size
 from .kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -65,6 +66,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "concatenate",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
     "notebook_launcher",

@@ -3,7 +3,7 @@ becomes `from unison.utils import X`. Re-exports only; each name lives in the mo
 
 from .checkpoint import ProjectConfiguration
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
-from .device_memory import release_memory
+from .device_memory import find_executable_batch_size, release_memory
 from .kwargs_handlers import (
     AutocastKwargs,
     DistributedDataParallelKwargs,
@@ -42,6 +42,7 @@ __all__ = [
     "broadcast",
     "broadcast_object_list",
     "concatenate",
+    "find_executable_batch_size",
     "gather",
     "gather_object",
     "pad_across_processes",

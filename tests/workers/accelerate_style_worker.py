@@ -28,6 +28,7 @@ from unison.utils import (
     DistributedDataParallelKwargs,
     DistributedType,
     GradientAccumulationPlugin,
+    find_executable_batch_size,
     set_seed,
 )
 
@@ -127,6 +128,23 @@ record["fp16_hook"] = {
     "max_relative_error": max(((g - e).abs().max() / e.abs().max()).item() for g, e in zip(synced, exact)),
     "differs_from_fp32": any(not torch.equal(g, e) for g, e in zip(synced, exact)),
 }
+
+# find_executable_batch_size: only the last process runs out of memory (a real allocator failure) above
+# 60, before any collective of its attempt; every process must go on at the same size.
+attempts = []
+
+
+@find_executable_batch_size(starting_batch_size=100)
+def train_with(batch_size: int) -> int:
+    attempts.append(batch_size)
+    if accelerator.is_last_process and batch_size > 60:
+        torch.empty(2**62, dtype=torch.uint8)  # more than any machine has
+    return batch_size
+
+
+chosen = torch.tensor([train_with()])
+dist.all_reduce(chosen)  # the size every process went on with, summed
+record["executable_batch_size"] = {"summed": chosen.item(), "attempts": attempts}
 
 # A flag raised on the last process alone stops every process at the same step.
 seen = []
