@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -171,3 +172,33 @@ def test_save_model_without_safetensors_names_the_extra_and_writes_nothing(tmp_p
     assert not (tmp_path / "export").exists()
     path = accelerator.save_model(model, tmp_path / "export", safe_serialization=False)
     assert path == tmp_path / "export" / "pytorch_model.bin" and path.is_file()
+
+
+@pytest.mark.parametrize("safe_serialization", [True, False])
+def test_save_model_above_max_shard_size_writes_hugging_face_shards_that_from_pretrained_loads(
+    tmp_path, safe_serialization
+):
+    """A transformers GPT-2 (tied lm_head) saved in shards with an index, as save_pretrained does, and
+    read back by transformers' own from_pretrained."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=96, n_positions=16)
+    torch.manual_seed(0)
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(transformers.GPT2LMHeadModel(config))
+    index = accelerator.save_model(
+        model, tmp_path / "gpt2", max_shard_size="40KB", safe_serialization=safe_serialization
+    )
+    suffix = ".safetensors" if safe_serialization else ".bin"
+    stem = "model" if safe_serialization else "pytorch_model"
+    assert index == tmp_path / "gpt2" / f"{stem}{suffix}.index.json"
+    weight_map = json.loads(index.read_text())["weight_map"]
+    files = sorted(set(weight_map.values()))
+    assert len(files) > 2 and files[0] == f"{stem}-00001-of-{len(files):05d}{suffix}"
+    assert "lm_head.weight" not in weight_map  # tied to transformer.wte.weight: stored once
+    config.save_pretrained(tmp_path / "gpt2")
+    loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "gpt2")
+    original = accelerator.unwrap_model(model).state_dict()
+    assert loaded.lm_head.weight.data_ptr() == loaded.transformer.wte.weight.data_ptr()
+    assert all(torch.equal(loaded.state_dict()[name], tensor) for name, tensor in original.items())
+    with pytest.raises(ValueError, match=r"max_shard_size='10 parsecs' is not a size"):
+        accelerator.save_model(model, tmp_path / "bad", max_shard_size="10 parsecs")

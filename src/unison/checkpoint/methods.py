@@ -123,8 +123,14 @@ class CheckpointMethods:
         save_on_main_process(obj, f, safe_serialization, save_on_each_node)
 
     def save_model(
-        self, model: torch.nn.Module, save_directory: str | os.PathLike, safe_serialization: bool = True
+        self,
+        model: torch.nn.Module,
+        save_directory: str | os.PathLike,
+        max_shard_size: int | str = "10GB",
+        safe_serialization: bool = True,
     ) -> Path:
-        """Consolidated weights of `model` from any layout, loadable without unison (model.safetensors
-        by default). Collective: call it on every process; the main process writes the file."""
-        return save_consolidated_weights(model, Path(save_directory), safe_serialization)
+        """Consolidated weights of `model` from any layout, loadable without unison: model.safetensors
+        (or pytorch_model.bin), or above `max_shard_size` shards with an index, as Hugging Face saves
+        models. Collective: call it on every process; the main process writes. Returns the file (or
+        index) path."""
+        return save_consolidated_weights(model, Path(save_directory), safe_serialization, max_shard_size)

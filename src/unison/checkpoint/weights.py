@@ -7,6 +7,7 @@ DDP, FSDP2/ZeRO, tensor parallel, pipeline stages that each hold some of the key
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..ops import broadcast_object_list
 from ..parallel.ddp import unwrap
 from ..state import PartialState
 from .storage import raise_if_any_process_failed
@@ -172,22 +174,97 @@ def consolidated_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> 
 
 
 def save_consolidated_weights(
-    model: torch.nn.Module, directory: Path, safe_serialization: bool = True
+    model: torch.nn.Module,
+    directory: Path,
+    safe_serialization: bool = True,
+    max_shard_size: int | str | None = None,
 ) -> Path:
     """Write `model`'s consolidated weights from any layout; process 0 writes. Collective.
 
-    The file holds exactly what one process would write for the same weights with `save_model_weights`
-    (same names, tied weights once, same metadata). Returns the file's path on every process.
+    Up to `max_shard_size` (bytes, or "10GB" / "5GiB"; None: no limit) the file holds exactly what one
+    process would write for the same weights with `save_model_weights` (same names, tied weights once,
+    same metadata). Larger weights are split into shards with an index, in Hugging Face's layout (see
+    `write_shards`), and the index's path is returned. The path is returned on every process.
     """
     if safe_serialization:
         safetensors_save_model()  # a missing package fails here, on every process, before gathering
+    limit = None if max_shard_size is None else parse_shard_size(max_shard_size)
     state = consolidated_state_dict(model)
-    path = directory / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
-    error = None
+    error, path = None, directory / (SAFETENSORS_FILE if safe_serialization else TORCH_FILE)
     if PartialState().is_main_process:
         try:
-            write_weights(state, directory, safe_serialization)
+            shards = [state] if limit is None else split_into_shards(state, limit)
+            if len(shards) > 1:
+                path = write_shards(shards, directory, safe_serialization)
+            else:
+                write_weights(state, directory, safe_serialization)
         except Exception as exc:  # every process hears of it, not only the one that wrote
             error = exc
     raise_if_any_process_failed(error, f"writing {path}")
-    return path
+    return _broadcast_path(path)
+
+
+def parse_shard_size(size: int | str) -> int:
+    """Bytes from an int or "10GB" / "500MB" (decimal units, as Hugging Face writes them) / "5GiB"."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    units = {"kb": 10**3, "mb": 10**6, "gb": 10**9, "kib": 2**10, "mib": 2**20, "gib": 2**30}
+    text = str(size).strip().lower()
+    for unit, factor in sorted(units.items(), key=lambda item: -len(item[0])):
+        if text.endswith(unit) and text[: -len(unit)].strip().replace(".", "", 1).isdigit():
+            value = int(float(text[: -len(unit)]) * factor)
+            if value > 0:
+                return value
+    raise ValueError(
+        f"max_shard_size={size!r} is not a size: pass bytes (an int > 0) or a string such as '10GB' "
+        "(decimal units, as Hugging Face) or '5GiB'."
+    )
+
+
+def split_into_shards(state: dict[str, torch.Tensor], limit: int) -> list[dict[str, torch.Tensor]]:
+    """`state` in key order, cut into dicts of at most `limit` bytes (a larger tensor alone in its own);
+    a tensor stored under several names (tied weights) is kept under its first name only, as Hugging
+    Face's sharded checkpoints do (the model re-ties it when loading)."""
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size, seen = 0, set()
+    for name, tensor in state.items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if tensor.numel() and key in seen:
+            continue
+        seen.add(key)
+        nbytes = tensor.numel() * tensor.element_size()
+        if shards[-1] and size + nbytes > limit:
+            shards.append({})
+            size = 0
+        shards[-1][name] = tensor
+        size += nbytes
+    return shards
+
+
+def write_shards(shards: list[dict[str, torch.Tensor]], directory: Path, safe_serialization: bool) -> Path:
+    """`model-00001-of-0000N.safetensors` (or `pytorch_model-...bin`) and the index that maps every
+    name to its file (`model.safetensors.index.json`): what transformers' from_pretrained reads."""
+    directory.mkdir(parents=True, exist_ok=True)
+    stem, suffix = ("model", ".safetensors") if safe_serialization else ("pytorch_model", ".bin")
+    weight_map, total = {}, 0
+    for index, shard in enumerate(shards, start=1):
+        file_name = f"{stem}-{index:05d}-of-{len(shards):05d}{suffix}"
+        shard = {name: tensor.contiguous() for name, tensor in shard.items()}
+        if safe_serialization:
+            from safetensors.torch import save_file
+
+            save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+        else:
+            torch.save(shard, directory / file_name)
+        weight_map.update(dict.fromkeys(shard, file_name))
+        total += sum(tensor.numel() * tensor.element_size() for tensor in shard.values())
+    index_path = directory / f"{stem}{suffix}.index.json"
+    index_path.write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
+    return index_path
+
+
+def _broadcast_path(path: Path) -> Path:
+    """Process 0's answer (which file it wrote) on every process."""
+    if PartialState().num_processes == 1:
+        return path
+    return Path(broadcast_object_list([str(path)], from_process=0)[0])
