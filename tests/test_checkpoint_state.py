@@ -7,6 +7,7 @@ import sys
 
 import pytest
 import torch
+from launching import WORKERS, launch_ok
 from safetensors.torch import load_model
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -202,3 +203,18 @@ def test_save_model_above_max_shard_size_writes_hugging_face_shards_that_from_pr
     assert all(torch.equal(loaded.state_dict()[name], tensor) for name, tensor in original.items())
     with pytest.raises(ValueError, match=r"max_shard_size='10 parsecs' is not a size"):
         accelerator.save_model(model, tmp_path / "bad", max_shard_size="10 parsecs")
+
+
+def test_save_and_load_state_pre_hooks_under_zero3_on_two_processes(tmp_path):
+    """A save hook that saves model 0 its own way (and pops its weights on the main process only) and
+    a load hook that takes it out of the list: model 0 is neither saved nor loaded by unison, on every
+    process alike (its ZeRO-3 save is collective), the hook's file is part of the checkpoint, and the
+    other model round-trips."""
+    launch_ok(WORKERS / "state_hooks_worker.py", 2, tmp_path, timeout=180)
+    records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for record in records:
+        assert record["calls"] == [["save", 2, 2], ["load", 2, True]], record["calls"]
+        assert "first" in record["files"] and "model_0" not in record["files"], record["files"]
+        assert "model_1" in record["files"] and "optimizer_0" in record["files"], record["files"]
+        assert "model_0" in record["files_after_remove"], record["files_after_remove"]
+    assert records[0]["second_restored"] and records[0]["first_left_alone"]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -151,6 +152,9 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
         self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._item_count = ItemCount()  # items behind summed losses, see backward(num_items=...)
         self._custom_objects: list[Any] = []
+        # OrderedDicts: torch's RemovableHandle keeps a weak reference to them (see checkpoint/methods.py)
+        self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
+        self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self.project_configuration = project_config or ProjectConfiguration()
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)

@@ -56,6 +56,8 @@ class Run:
         self._schedulers: list = []
         self._dataloaders: list = []
         self._custom_objects: list = []
+        self._save_state_pre_hooks: dict = {}
+        self._load_state_pre_hooks: dict = {}
         self.scaler = None
         self.step = 0
         self.device = torch.device("cpu")

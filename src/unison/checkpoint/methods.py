@@ -8,10 +8,12 @@ and hand the work to training_state.py (the whole training state) and weights.py
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from ..ops import broadcast_object_list
 from ..parallel.ddp import wrapper_prefix
@@ -38,6 +40,25 @@ class CheckpointMethods:
                     "or keep the object out of the checkpoint."
                 )
         self._custom_objects.extend(objects)
+
+    def register_save_state_pre_hook(self, hook: Callable[[list, list, str], None]) -> RemovableHandle:
+        """Call `hook(models, weights, output_dir)` at every save_state, before anything is saved.
+
+        As in Accelerate: `weights` holds each model's state dict; a hook that saves a model its own way
+        (e.g. `save_pretrained(os.path.join(output_dir, "unet"))`) removes its entry, and that model is
+        then left out of the checkpoint. output_dir is the checkpoint's temporary directory, renamed into
+        place with everything else once the save is complete. Returns a handle: `handle.remove()`.
+        """
+        handle = RemovableHandle(self._save_state_pre_hooks)
+        self._save_state_pre_hooks[handle.id] = hook
+        return handle
+
+    def register_load_state_pre_hook(self, hook: Callable[[list, str], None]) -> RemovableHandle:
+        """Call `hook(models, input_dir)` at every load_state, before anything is loaded: a hook that
+        loads a model its own way removes it from `models`, and load_state then leaves it alone."""
+        handle = RemovableHandle(self._load_state_pre_hooks)
+        self._load_state_pre_hooks[handle.id] = hook
+        return handle
 
     def _checkpoints_dir(self, action: str) -> Path:
         if self.project_configuration.project_dir is None:

@@ -96,12 +96,18 @@ def _part_directory(directory: Path, name: str) -> Path:
 
 
 def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
-    """Write the training state into `directory` (atomically; every process must call this)."""
+    """Write the training state into `directory` (atomically; every process must call this).
+
+    The save_state pre-hooks run first, inside the checkpoint being written (their output_dir is its
+    temporary directory, so what they write is checksummed and renamed with it); a model whose weights
+    they removed from the list is not saved (they saved it their way).
+    """
     state = PartialState()
     metadata = {"optimizer_steps": accelerator.optimizer_steps, "world_size": state.num_processes}
     model_parts, sharded_parts = _model_parts(accelerator)
     with write_checkpoint(directory, metadata=metadata) as staging:
-        for name in sorted(sharded_parts):  # collective: the same order on every process
+        left_to_hooks = {f"model_{i}.pt" for i in _models_saved_by_hooks(accelerator, staging)}
+        for name in sorted(sharded_parts - left_to_hooks):  # collective: the same order on every process
             model, part = model_parts[name]
             if part is model:
                 _sharded().save_model_state(model, _part_directory(staging, name))
@@ -109,12 +115,42 @@ def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
                 _sharded().save_optimizer_state(model, part, _part_directory(staging, name))
         if state.is_main_process:
             for name, part in _replicated_parts(accelerator).items():
-                if name not in sharded_parts:
+                if name not in sharded_parts and name not in left_to_hooks:
                     save_object(part.state_dict(), staging / name)
             save_object(_counters(accelerator), staging / COUNTERS_FILE)
         save_object(get_rng_state(), staging / f"rng_state_{state.process_index}.pt")
     logger.info("saved the training state to %s", directory)
     return directory
+
+
+def _models_saved_by_hooks(accelerator: Accelerator, output_dir: Path) -> list[int]:
+    """Run the save_state pre-hooks as Accelerate does, `hook(models, weights, output_dir)`; the indices
+    of the models whose state dict a hook removed from `weights`, as the main process saw it (a hook
+    often acts on the main process only, and which models the collective save skips must agree)."""
+    hooks = list(accelerator._save_state_pre_hooks.values())
+    if not hooks:
+        return []
+    weights = [accelerator.unwrap_model(model).state_dict() for model in accelerator._models]
+    offered = [id(weight) for weight in weights]
+    for hook in hooks:
+        hook(list(accelerator._models), weights, str(output_dir))
+    kept = {id(weight) for weight in weights}
+    removed = [i for i, ident in enumerate(offered) if ident not in kept]
+    return ops.broadcast_object_list([removed], from_process=0)[0]
+
+
+def _models_loaded_by_hooks(accelerator: Accelerator, input_dir: Path) -> list[int]:
+    """Run the load_state pre-hooks, `hook(models, input_dir)`; the indices of the models a hook removed
+    from `models` (it loaded them its way), as the main process saw it."""
+    hooks = list(accelerator._load_state_pre_hooks.values())
+    if not hooks:
+        return []
+    models = list(accelerator._models)
+    for hook in hooks:
+        hook(models, str(input_dir))
+    kept = {id(model) for model in models}
+    removed = [i for i, model in enumerate(accelerator._models) if id(model) not in kept]
+    return ops.broadcast_object_list([removed], from_process=0)[0]
 
 
 def _checked_on_main_process(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
@@ -193,8 +229,12 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     own shards; parts load across layouts (sharded <-> plain, another number of processes).
     """
     state = PartialState()
-    parts = _replicated_parts(accelerator)
+    loaded_by_hooks = {f"model_{i}.pt" for i in _models_loaded_by_hooks(accelerator, directory)}
+    parts = {
+        name: part for name, part in _replicated_parts(accelerator).items() if name not in loaded_by_hooks
+    }
     model_parts, sharded_parts = _model_parts(accelerator)
+    sharded_parts -= loaded_by_hooks
     # Which parts DCP reads (a collective) is the main process's view of the directory, for everyone.
     saved_sharded = sorted(
         name
