@@ -176,3 +176,17 @@ def test_save_and_free_memory(tmp_path):
     assert accelerator.optimizer_steps == 0 and not accelerator._models and accelerator.step == 0
     second = accelerator.prepare(torch.nn.Linear(3, 1))  # a second training in the same script
     assert accelerator._models == [second]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_unwrap_model_keeps_autocast_unless_keep_fp32_wrapper_is_false():
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(16, 16), torch.randn(4, 16)
+    full = model(x).detach()
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    prepared = accelerator.prepare(model)
+    in_bf16 = prepared(x).detach()
+    assert in_bf16.dtype == torch.float32 and not torch.equal(in_bf16, full)  # bf16 matmul, fp32 out
+    assert torch.equal(accelerator.unwrap_model(prepared)(x).detach(), in_bf16)  # as Accelerate
+    plain = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
+    assert torch.equal(plain(x).detach(), full) and torch.equal(prepared(x).detach(), full)  # for good

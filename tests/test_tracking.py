@@ -49,6 +49,7 @@ def test_jsonl_and_csv_hold_what_was_logged(tmp_path):
     accelerator.log({"note": "done"})
     assert accelerator.get_tracker("recorder", unwrap=True) is recorder.calls
     assert accelerator.get_tracker("jsonl").path == tmp_path / "exp" / "metrics.jsonl"
+    assert accelerator.logging_dir == accelerator.project_dir == str(tmp_path)
     accelerator.end_training()
 
     lines = [json.loads(line) for line in (tmp_path / "exp" / "metrics.jsonl").read_text().splitlines()]

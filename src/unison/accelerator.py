@@ -152,6 +152,7 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
         self._prepared: weakref.WeakSet = weakref.WeakSet()
         self._item_count = ItemCount()  # items behind summed losses, see backward(num_items=...)
         self._custom_objects: list[Any] = []
+        self._autocast_hooks: dict[int, list] = {}  # id(user's module) -> its autocast hooks' handles
         # OrderedDicts: torch's RemovableHandle keeps a weak reference to them (see checkpoint/methods.py)
         self._save_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
         self._load_state_pre_hooks: OrderedDict[int, Callable] = OrderedDict()
@@ -206,6 +207,14 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
     @property
     def non_blocking(self) -> bool:
         return self.dataloader_config.non_blocking
+
+    @property
+    def project_dir(self) -> str | None:
+        return self.project_configuration.project_dir
+
+    @property
+    def logging_dir(self) -> str | None:
+        return self.project_configuration.logging_dir
 
     # -- process facts (the shared state's) ---------------------------------------------------------
     @property
@@ -375,9 +384,11 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)
-        # hooks go where forward runs: the stage modules of a pipeline, else the model itself
-        for part in prepared.stage_modules if isinstance(prepared, PipelineModel) else [prepared]:
-            self.precision.attach_to(part)
+        # hooks go where forward runs: the stage modules of a pipeline, else the user's module (inside
+        # DDP's wrapper, so that unwrap_model gives it with autocast, as Accelerate's keep_fp32_wrapper)
+        user_module = unwrap(prepared)
+        for part in prepared.stage_modules if isinstance(prepared, PipelineModel) else [user_module]:
+            self._autocast_hooks.setdefault(id(user_module), []).extend(self.precision.attach_to(part))
             if self.parallelism.loss_parallel:
                 attach_loss_parallel(part)
         self._remember(model, prepared)
@@ -482,9 +493,17 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
         return skip_first_batches(dataloader, num_batches)
 
-    def unwrap_model(self, model: torch.nn.Module) -> torch.nn.Module:
-        """The user's module inside the wrappers prepare() added."""
-        return unwrap(model)
+    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
+        """The user's module inside the wrappers prepare() added (and torch.compile's).
+
+        Under mixed precision its forward still runs in autocast; keep_fp32_wrapper=False removes that
+        from the module for good (as in Accelerate), e.g. before exporting it.
+        """
+        user_module = unwrap(model)
+        if not keep_fp32_wrapper:
+            for handle in self._autocast_hooks.pop(id(user_module), []):
+                handle.remove()
+        return user_module
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared object (models, optimizers, schedulers, loaders) and the step counters,

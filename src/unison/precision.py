@@ -12,6 +12,7 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .ops import recursively_apply
 
@@ -51,10 +52,11 @@ class PrecisionPolicy:
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype, **self.autocast_options)
 
-    def attach_to(self, model: torch.nn.Module) -> None:
-        """Run `model`'s forward under autocast and hand its floating outputs back in fp32."""
+    def attach_to(self, model: torch.nn.Module) -> list[RemovableHandle]:
+        """Run `model`'s forward under autocast and hand its floating outputs back in fp32; the hooks'
+        handles are returned (removing them gives the module back its plain forward)."""
         if not self.enabled:
-            return
+            return []
         active: list[contextlib.AbstractContextManager] = []
 
         def enter_autocast(module, args):
@@ -66,8 +68,10 @@ class PrecisionPolicy:
             active.pop().__exit__(None, None, None)
             return recursively_apply(_to_fp32, output)
 
-        model.register_forward_pre_hook(enter_autocast)
-        model.register_forward_hook(leave_autocast, always_call=True)
+        return [
+            model.register_forward_pre_hook(enter_autocast),
+            model.register_forward_hook(leave_autocast, always_call=True),
+        ]
 
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
