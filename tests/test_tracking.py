@@ -76,9 +76,12 @@ def test_jsonl_and_csv_hold_what_was_logged(tmp_path):
     assert accelerator.trackers == []  # end_training closed them
 
 
-def test_all_means_every_available_tracker_and_bad_names_fail_before_the_run(tmp_path):
+def test_all_means_every_available_tracker_and_bad_names_fail_before_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", (tmp_path / "mlruns").as_uri())
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     accelerator = Accelerator(cpu=True, project_dir=tmp_path, log_with="all")
-    assert accelerator.log_with == [LoggerType.JSONL, LoggerType.CSV, LoggerType.TENSORBOARD]
+    every = [LoggerType.JSONL, LoggerType.CSV, LoggerType.TENSORBOARD, LoggerType.MLFLOW]
+    assert accelerator.log_with == every
     with pytest.raises(ValueError, match=r"log_with='tensorbored' is not a tracker"):
         Accelerator(cpu=True, log_with="tensorbored")
     with pytest.raises(ValueError, match=r"log_with='aim': unison does not provide this tracker yet"):
@@ -117,7 +120,35 @@ def test_tensorboard_event_files_hold_the_scalars_text_and_hyperparameters(tmp_p
 def test_a_tracker_whose_library_is_missing_names_the_extra(tmp_path, monkeypatch):
     import sys
 
-    monkeypatch.setitem(sys.modules, "unison.tracking.tensorboard", None)  # as if not installed
-    with pytest.raises(ImportError, match=r"pip install 'unison\[tensorboard\]'"):
-        Accelerator(cpu=True, project_dir=tmp_path, log_with="tensorboard")
+    for name in ("tensorboard", "mlflow"):
+        monkeypatch.setitem(sys.modules, f"unison.tracking.{name}", None)  # as if not installed
+        with pytest.raises(ImportError, match=rf"pip install 'unison\[{name}\]'"):
+            Accelerator(cpu=True, project_dir=tmp_path, log_with=name)
     assert Accelerator(cpu=True, log_with="all").log_with == [LoggerType.JSONL, LoggerType.CSV]
+
+
+def test_mlflow_run_holds_the_metrics_tags_and_parameters(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    uri = (tmp_path / "mlruns").as_uri()  # a local store; MLflow 3 asks to opt into the file backend
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    accelerator = Accelerator(cpu=True, log_with="mlflow")
+    accelerator.init_trackers(
+        "exp", config={"lr": 0.5, "layers": 4}, init_kwargs={"mlflow": {"run_name": "r1"}}
+    )
+    for step in range(3):
+        accelerator.log({"loss": torch.tensor(2.0 - step), "phase": f"epoch {step}"}, step=step)
+    run_id = accelerator.get_tracker("mlflow", unwrap=True).info.run_id
+    accelerator.end_training()
+    client = MlflowClient(uri)
+    assert [(m.step, m.value) for m in client.get_metric_history(run_id, "loss")] == [
+        (0, 2.0),
+        (1, 1.0),
+        (2, 0.0),
+    ]
+    run = client.get_run(run_id)
+    assert run.data.params == {"lr": "0.5", "layers": "4"}
+    assert run.data.tags["phase"] == "epoch 2" and run.info.run_name == "r1"
+    assert client.get_experiment(run.info.experiment_id).name == "exp"

@@ -67,6 +67,7 @@ _TRACKERS = {
     LoggerType.JSONL: ("unison.tracking.files", "JSONLinesTracker", None),
     LoggerType.CSV: ("unison.tracking.files", "CSVTracker", None),
     LoggerType.TENSORBOARD: ("unison.tracking.tensorboard", "TensorBoardTracker", "tensorboard"),
+    LoggerType.MLFLOW: ("unison.tracking.mlflow", "MLflowTracker", "mlflow"),
 }
 """name -> (module, class, the extra that installs its library, None: nothing to install)."""
 
