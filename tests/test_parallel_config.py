@@ -244,6 +244,8 @@ def test_four_process_meshes(tmp_path):
 
         assert record["ddp_wrapper"] == "DistributedDataParallel"
         assert record["ddp_mesh"]["names"] == ["dp_replicate"] and record["ddp_mesh"]["shape"] == [4]
+    refusals = {record["auto_refusal"] for record in records}
+    assert len(refusals) == 1 and next(iter(refusals)).startswith("PlanError: "), refusals
     errors = {record["mismatch_error"] for record in records}
     assert len(errors) == 1  # the same message on every rank
     (error,) = errors

@@ -97,6 +97,12 @@ def test_argument_errors_are_raised_before_any_communication():
         apply_zero(model, 4)
     with pytest.raises(ValueError, match="mixed_precision_policy"):
         apply_zero(model, 1, mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"stage=1 runs the model whole under DDP, so blocks="):
+        apply_zero(model, 1, blocks="layers")
+    with pytest.raises(
+        ValueError, match=r"stage=3 runs on FSDP2, which takes no DDP options \(bucket_cap_mb\)"
+    ):
+        apply_zero(model, 3, ddp_kwargs={"bucket_cap_mb": 50})
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 2)).sum().backward()
     optimizer.step()

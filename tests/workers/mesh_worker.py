@@ -55,5 +55,14 @@ try:
 except ValueError as error:
     record["mismatch_error"] = str(error)
 
+# parallelism="auto" with a model no layout fits (a trillion parameters, built on meta): process 0
+# plans and every process raises its refusal, before any memory is touched.
+with torch.device("meta"):
+    huge = torch.nn.Sequential(*(torch.nn.Linear(2**15, 2**15) for _ in range(1000)))
+try:
+    Accelerator(parallelism="auto").prepare(huge)
+except ValueError as error:
+    record["auto_refusal"] = f"{type(error).__name__}: {error}"
+
 (out_dir / f"rank{zero3.process_index}.json").write_text(json.dumps(record))
 ddp.end_training()

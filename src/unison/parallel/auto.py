@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from .. import ops
 from ..hardware import detect_hardware
-from ..planner import Plan, plan_parallelism
+from ..planner import Plan, PlanError, plan_parallelism
+from ..state import PartialState
 
 logger = logging.getLogger("unison")
 
@@ -24,17 +25,29 @@ def plan_for_this_job(
     """The planner's verdict for `model` here, the same on every rank (process 0's, broadcast).
 
     Every input is the same on every rank, but the link probe (nvidia-smi) runs per node, so process
-    0's plan is sent to all: the ranks must build the same mesh or they would wait on each other
-    forever. Pipelines are never chosen: they need the loop's forward_backward call, which prepare()
-    cannot see. Tensor parallel only where a built-in plan recognises the model.
+    0 plans alone and sends its plan, or its refusal, to all: the ranks must build the same mesh (or
+    raise the same error) or they would wait on each other forever. Pipelines are never chosen: they
+    need the loop's forward_backward call, which prepare() cannot see. Tensor parallel only where a
+    built-in plan recognises the model.
     """
     precision = "fp32" if mixed_precision == "no" else "bf16-mixed"
-    hardware = detect_hardware(num_processes, num_local_processes, device)
-    plan = plan_parallelism(
-        model, hardware, precision=precision, pipeline=False, tensor_parallel=_has_tensor_parallel_plan(model)
-    )
+    plan, refusal = None, None
+    if PartialState().is_main_process:  # the others wait for its verdict, a plan or a refusal
+        hardware = detect_hardware(num_processes, num_local_processes, device)
+        try:
+            plan = plan_parallelism(
+                model,
+                hardware,
+                precision=precision,
+                pipeline=False,
+                tensor_parallel=_has_tensor_parallel_plan(model),
+            )
+        except PlanError as error:
+            refusal = str(error)
     if num_processes > 1:
-        plan = ops.broadcast_object_list([plan])[0]
+        plan, refusal = ops.broadcast_object_list([plan, refusal])
+    if refusal is not None:
+        raise PlanError(refusal)
     logger.info("parallelism='auto' chose %s: %s", plan.config.describe(), " ".join(plan.reasons))
     return plan
 

@@ -81,6 +81,16 @@ def apply_zero(
     """
     if stage not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage={stage!r} is not supported; choose one of {ZERO_STAGES}.")
+    if stage == 1 and blocks is not None:
+        raise ValueError(
+            "ZeRO stage=1 runs the model whole under DDP, so blocks= (the units ZeRO-2/3 shard one by one) "
+            "would be ignored: drop blocks, or use stage 2 or 3."
+        )
+    if stage != 1 and ddp_kwargs:
+        raise ValueError(
+            f"ZeRO stage={stage} runs on FSDP2, which takes no DDP options ({', '.join(ddp_kwargs)}): drop "
+            "ddp_kwargs, or use stage 1 (DDP underneath)."
+        )
     if stage == 1:
         if mixed_precision_policy is not None or offload_policy is not None:
             raise ValueError(
