@@ -170,6 +170,33 @@ def test_stage_modules_are_the_original_modules_under_original_names():
     assert set(last.tied) == {"lm_head.weight"} and last.tied["lm_head.weight"].stages == (0, 1)
 
 
+class ScaledInTraining(nn.Module):
+    """A model whose own forward (above its blocks) branches on self.training."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(2))
+        self.head = nn.Linear(4, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x) * (100.0 if self.training else 1.0)
+
+
+def test_eval_and_train_reach_the_models_own_forward_in_every_stage():
+    torch.manual_seed(0)
+    model = ScaledInTraining()
+    ((_, last),) = split_model(model, 1, 2, ["blocks.1"], "gpipe")
+    x = torch.randn(3, 4)
+    last.set_micro_inputs([x])
+    hidden = model.blocks[0](x).detach()
+    last.eval()
+    assert torch.allclose(last(hidden), model.eval()(x))
+    last.train()
+    assert torch.allclose(last(hidden), model.train()(x))
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [

@@ -261,3 +261,12 @@ def test_user_plan_errors():
         check_tensor_parallel(model, 2, {"lm_head": ColwiseParallel()})
     with pytest.raises(ValueError, match="parts=1"):
         FusedColwiseParallel(parts=1)
+
+
+def test_a_user_plan_under_pipeline_parallelism_gives_each_stage_its_own_keys(tmp_path):
+    """pp=2 x tp=2 with a plan naming modules of both stages: every rank prepares (the first stage's
+    key no longer fails the other stage) and the first step's loss is the one-process loss."""
+    launch_ok(WORKERS / "tp_plan_pipeline_worker.py", 4, tmp_path, timeout=180)
+    for rank in range(4):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert abs(record["loss"] - record["reference"]) < 1e-5, record

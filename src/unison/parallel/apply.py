@@ -14,6 +14,7 @@ only decides which run, on which sub-mesh of the one DeviceMesh, and in what ord
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from typing import Any
 
@@ -73,11 +74,29 @@ def parallelize(
     if (config.pp_size or 1) == 1:
         return _parallelize_part(model, config, mesh, device, ddp_kwargs)
     pp_mesh = mesh["pp"]
+    if (config.tp_size or 1) > 1 and config.tp_plan is not None:
+        from .tensor import check_tensor_parallel
+
+        check_tensor_parallel(model, config.tp_size, config.tp_plan)  # the plan is the whole model's
     stages = split_model(
         model, pp_mesh.get_local_rank(), config.pp_size, config.pp_split_points, config.pp_schedule
     )
-    parts = [(index, _parallelize_part(stage, config, mesh, device, ddp_kwargs)) for index, stage in stages]
+    parts = [
+        (index, _parallelize_part(stage, _for_stage(config, stage), mesh, device, ddp_kwargs))
+        for index, stage in stages
+    ]
     return build_pipeline(parts, pp_mesh, config.pp_schedule, pipeline_microbatches(config), device)
+
+
+def _for_stage(config: ParallelismConfig, stage: nn.Module) -> ParallelismConfig:
+    """`config` with its user tensor-parallel plan cut to the keys that name modules of this stage
+    (the plan was checked against the whole model: an embedding's key belongs to the first stage)."""
+    if (config.tp_size or 1) == 1 or config.tp_plan is None:
+        return config
+    from .tensor import matching_modules
+
+    plan = {key: style for key, style in config.tp_plan.items() if matching_modules(stage, key)}
+    return dataclasses.replace(config, tp_plan=plan)
 
 
 def pipeline_microbatches(config: ParallelismConfig) -> int:

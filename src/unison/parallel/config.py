@@ -1,7 +1,8 @@
 """`ParallelismConfig`: how the processes of a run are laid out over parallel dimensions.
 
 One config describes every strategy of the multi-GPU guide as degrees of named dimensions, in
-torchtitan's order: pipeline (`pp`), data-parallel replicas (`dp_replicate`, DDP-like), data-parallel
+torchtitan's order: pipeline (`pp`), data-parallel replicas (`dp_replicate`: DDP alone, FSDP2 beside
+tensor or pipeline parallelism), data-parallel
 shards (`dp_shard`, ZeRO 1/2/3) and tensor parallel (`tp`). Field names follow Hugging Face
 Accelerate's `ParallelismConfig` where it has them (`dp_replicate_size`, `dp_shard_size`, `tp_size`,
 `cp_size`), so configs migrate unchanged.
@@ -45,7 +46,8 @@ class ParallelismConfig:
     world size, and the one free dimension takes what the given ones leave: `dp_shard` when a
     `zero_stage` is set and `dp_shard_size` is not, else `dp_replicate`. So `ParallelismConfig()` is
     plain DDP over every process, `ParallelismConfig(zero_stage=3)` is ZeRO-3 over every process, and
-    `ParallelismConfig(tp_size=2)` on 8 processes is 4 DDP replicas of a 2-way tensor-parallel model.
+    `ParallelismConfig(tp_size=2)` on 8 processes is 4 replicas of a 2-way tensor-parallel model (kept
+    by FSDP2 as ZeRO-2 over the replicas: DDP cannot hold DTensor parameters).
 
     zero_stage: what the dp_shard dimension shards (1: optimizer state, 2: + gradients, 3: + parameters);
         None with dp_shard_size > 1 means 3 (FSDP's full sharding, as in Accelerate and torchtitan).

@@ -44,7 +44,8 @@ def _unwrap(module: nn.Module) -> _StageModule:
             "DistributedDataParallel around a pipeline stage does not work with torch's schedules (on "
             "torch 2.13 its reducer fails on the schedule's shape-inference pass, or with static_graph "
             "gives wrong gradients). Replicate stages with FSDP2 instead: "
-            "fully_shard(stage, mesh=dp_mesh), on a 2-D (dp_replicate, dp_shard) mesh for pure replication."
+            "fully_shard(stage, mesh=dp_mesh) (ZeRO-2 over the replicas with reshard_after_forward=False, as "
+            "unison's prepare() does)."
         )
     if not isinstance(module, _StageModule):
         raise TypeError(

@@ -290,6 +290,14 @@ class _StageModule(nn.Module):
             _insert(skeleton, path, stand_in, model)
         object.__setattr__(self, "_skeleton", skeleton)  # not a child: its meta copies are not ours
 
+    def train(self, mode: bool = True) -> _StageModule:
+        """nn.Module.train, for the skeleton too: it is not a child (see __init__), and its containers
+        run the model's own forward, which may branch on `self.training` (eval() goes through here)."""
+        super().train(mode)
+        for module in self._skeleton.modules():
+            module.training = mode
+        return self
+
     def set_micro_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
         """Shapes of one micro-batch of the model's inputs, for the meta run of earlier stages' pieces."""
         self._micro_inputs = tuple(torch.empty_like(t, device="meta") for t in inputs)

@@ -297,7 +297,7 @@ def tensor_parallel_plan(
 # Validation (pure: the same answer on every rank, before any communication)
 
 
-def _resolve(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
     """The (name, module) pairs `parallelize_module` applies `pattern` to: fnmatch per name part."""
     found = [("", model)]
     for token in pattern.split("."):
@@ -366,10 +366,10 @@ def _check_heads(model: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) -
     except ValueError:
         return  # a user plan for a layout we do not know: the size checks are all we can do
     projections = ("qkv",) if layout == "gpt" else ("q", "k", "v")
-    sharded = {id(module) for pattern in plan for _, module in _resolve(model, pattern)}
-    if not any(id(m) in sharded for role in projections for _, m in _resolve(model, roles[role])):
+    sharded = {id(module) for pattern in plan for _, module in matching_modules(model, pattern)}
+    if not any(id(m) in sharded for role in projections for _, m in matching_modules(model, roles[role])):
         return
-    for name, attention in _resolve(model, roles["attention"]):
+    for name, attention in matching_modules(model, roles["attention"]):
         counts = _head_counts(model, attention, layout, roles)
         if not counts:
             logger.warning(
@@ -398,7 +398,7 @@ def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) ->
         )
     problems = []
     for pattern, style in plan.items():
-        matched = _resolve(model, pattern)
+        matched = matching_modules(model, pattern)
         if not matched:
             raise ValueError(
                 f"plan key {pattern!r} matches no submodule of {type(model).__name__}. Keys are qualified "
@@ -454,7 +454,7 @@ def _retie(model: nn.Module, groups: list[list[tuple[nn.Module, str]]]) -> None:
 
 def _check_ties(model: nn.Module, plan: Mapping[str, ParallelStyle]) -> None:
     """A shared parameter's modules must be all in the plan or all out of it, else it would split."""
-    planned = {id(module) for pattern in plan for _, module in _resolve(model, pattern)}
+    planned = {id(module) for pattern in plan for _, module in matching_modules(model, pattern)}
     names = {id(module): name for name, module in model.named_modules()}
     for group in _tied_locations(model):
         inside = [f"{names[id(m)]}.{attr}" for m, attr in group if id(m) in planned]
