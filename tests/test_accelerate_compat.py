@@ -84,6 +84,8 @@ def test_direct_arguments_and_configuration_objects_must_agree():
         Accelerator(cpu=True, dataloader_config={"split_batches": True})
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=0"):
         Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=0))
+    seeded = Accelerator(cpu=True, dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    assert seeded.use_seedable_sampler and not seeded.use_stateful_dataloader
     default = Accelerator(cpu=True, gradient_accumulation_plugin=GradientAccumulationPlugin())
     assert default.gradient_accumulation_steps == 1
 
@@ -172,6 +174,7 @@ def test_save_and_free_memory(tmp_path):
     accelerator.backward(prepared(torch.ones(2, 3)).sum())
     optimizer.step()
     assert accelerator.optimizer_steps == 1
+    assert accelerator.clear is not None and Accelerator.clear is Accelerator.free_memory
     assert accelerator.free_memory(prepared, optimizer) == [None, None]
     assert accelerator.optimizer_steps == 0 and not accelerator._models and accelerator.step == 0
     second = accelerator.prepare(torch.nn.Linear(3, 1))  # a second training in the same script

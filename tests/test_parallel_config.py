@@ -228,6 +228,9 @@ def test_four_process_meshes(tmp_path):
             "tp": [rank - rank % 2, rank - rank % 2 + 1],
         }
         assert (env_mesh["dp_size"], env_mesh["dp_rank"]) == (2, rank // 2)
+        # dp_replicate, dp_shard, tp, pp, cp coordinates; replicas beside TP run on FSDP2
+        assert record["ranks"] == [rank // 2, 0, rank % 2, 0, 0] and record["is_fsdp2"]
+        assert record["same_mesh"]
 
         zero3 = record["zero3_mesh"]
         assert zero3["names"] == ["dp_shard"] and zero3["shape"] == [4] and zero3["coordinate"] == [rank]

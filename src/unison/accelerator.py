@@ -56,6 +56,7 @@ from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
+from .parallel.ranks import LayoutProperties
 from .planner import Plan
 from .precision import PrecisionPolicy
 from .state import AcceleratorState, DistributedType, GradientState
@@ -76,7 +77,9 @@ def _validate_accumulation_steps(value: Any) -> int:
     return value
 
 
-class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, TrackingMethods):
+class Accelerator(
+    TrainingStepMethods, CheckpointMethods, CollectiveMethods, TrackingMethods, LayoutProperties
+):
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
@@ -207,6 +210,14 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
     @property
     def non_blocking(self) -> bool:
         return self.dataloader_config.non_blocking
+
+    @property
+    def use_seedable_sampler(self) -> bool:
+        return self.dataloader_config.use_seedable_sampler
+
+    @property
+    def use_stateful_dataloader(self) -> bool:
+        return self.dataloader_config.use_stateful_dataloader
 
     @property
     def project_dir(self) -> str | None:
@@ -517,6 +528,8 @@ class Accelerator(TrainingStepMethods, CheckpointMethods, CollectiveMethods, Tra
         self._item_count = ItemCount()
         self.step = 0
         return release_memory(*objects)
+
+    clear = free_memory  # Accelerate's other name for it
 
     def end_training(self) -> None:
         """Mark the end of the run: the trackers are closed, and every process finishes its work before

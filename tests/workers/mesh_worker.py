@@ -35,6 +35,15 @@ from_env = Accelerator()  # layout from UNISON_PARALLELISM (the --parallelism fl
 record: dict = {
     "env_layout": from_env.parallelism.describe(),
     "env_mesh": describe_mesh(from_env.device_mesh),
+    "ranks": [  # Accelerate's property names
+        from_env.data_parallel_rank,
+        from_env.data_parallel_shard_rank,
+        from_env.tensor_parallel_rank,
+        from_env.pipeline_parallel_rank,
+        from_env.context_parallel_rank,
+    ],
+    "is_fsdp2": from_env.is_fsdp2,
+    "same_mesh": from_env.torch_device_mesh is from_env.device_mesh,
 }
 
 zero3 = Accelerator(parallelism="zero3")
