@@ -27,7 +27,7 @@ cd "$workdir"
 "$venv_python" - <<'PYCODE'
 import importlib.util
 import unison
-for extra in ("pytest", "safetensors", "tensorboard", "transformers", "mlflow"):  # test-only packages must not have come along
+for extra in ("pytest", "safetensors", "tensorboard", "transformers", "mlflow", "wandb"):  # test-only packages must not have come along
     assert importlib.util.find_spec(extra) is None, f"{extra} is installed: the fresh env is not bare"
 print(f"[fresh env] import unison {unison.__version__} from {unison.__file__}")
 

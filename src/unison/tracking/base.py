@@ -68,6 +68,7 @@ _TRACKERS = {
     LoggerType.CSV: ("unison.tracking.files", "CSVTracker", None),
     LoggerType.TENSORBOARD: ("unison.tracking.tensorboard", "TensorBoardTracker", "tensorboard"),
     LoggerType.MLFLOW: ("unison.tracking.mlflow", "MLflowTracker", "mlflow"),
+    LoggerType.WANDB: ("unison.tracking.wandb", "WandBTracker", "wandb"),
 }
 """name -> (module, class, the extra that installs its library, None: nothing to install)."""
 
