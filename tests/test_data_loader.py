@@ -5,6 +5,7 @@ the single-process reference computed from the rule, and what unison.ops.gather 
 ranks; the tests below assert on those records.
 """
 
+import hashlib
 import json
 import random
 
@@ -255,21 +256,21 @@ def test_shuffles_agree_across_ranks_and_differ_across_epochs(records):
             assert record["remainder"] == SIZE % (4 * rec["world"])
         assert rec["shuffled"][0]["batches"] != rec["shuffled"][1]["batches"]
         check_pass(rec["set_epoch"], "set_epoch(5)", rec["rank"])
+        check_pass(rec["seedable"], "use_seedable_sampler, epoch 5", rec["rank"])
         assert rec["set_epoch"]["epoch_after"] == 6
     # the ranks' shards of one epoch are disjoint up to the padding, and all ranks agree on the order
     first_epoch = [rec["shuffled"][0]["gathered"] for rec in records]
     assert all(rows == first_epoch[0] for rows in first_epoch)
 
 
-def test_user_generator_seed_agreed_from_process_0(records):
-    """Ranks whose generators were seeded differently shuffle with process 0's 64-bit seed (one int64
-    broadcast, no pickling), so their shards still partition one permutation."""
-    for rec in records:
-        assert rec["user_seeded"]["seed"] == [2**64 - 5]
-    sampler = SeedableRandomSampler(range(SIZE), seed=2**64 - 5)
-    sampler.set_epoch(0)
-    order = list(sampler)
-    batches = [order[i : i + 4] for i in range(0, SIZE, 4)]
+def test_user_generator_state_agreed_from_process_0(records):
+    """Ranks whose generators were seeded differently shuffle as process 0's generator would in one
+    plain process, so their shards still partition one permutation, and every rank's generator ends
+    where that plain pass leaves it."""
+    generator = torch.Generator().manual_seed(2**64 - 5)
+    plain = DataLoader(range(SIZE), batch_size=4, shuffle=True, generator=generator)
+    batches = [batch.tolist() for batch in plain]
+    after = hashlib.sha256(generator.get_state().numpy().tobytes()).hexdigest()
     for rec in records:
         world = rec["world"]
         expected = batches[rec["rank"] :: world]
@@ -277,6 +278,7 @@ def test_user_generator_seed_agreed_from_process_0(records):
         got = rec["user_seeded"]["batches"]
         assert [batch[: len(want)] for batch, want in zip(got, expected)] == expected  # short ones topped up
         assert len(expected) <= len(got) <= len(expected) + padded
+        assert rec["user_seeded"]["generator_after"] == after
 
 
 def test_split_and_uneven_batches(records):

@@ -30,9 +30,11 @@ class Counting(Dataset):
         return torch.tensor([index, -1 if info is None else info.seed % 2**31])
 
 
-def prepared(size, n, p, batch_size=3, shuffle=True, data_seed=None, **loader_kwargs):
+def prepared(size, n, p, batch_size=3, shuffle=True, data_seed=None, seedable=False, **loader_kwargs):
     loader = DataLoader(Counting(size), batch_size=batch_size, shuffle=shuffle, **loader_kwargs)
-    return prepare_data_loader(loader, num_processes=n, process_index=p, data_seed=data_seed)
+    return prepare_data_loader(
+        loader, num_processes=n, process_index=p, data_seed=data_seed, use_seedable_sampler=seedable
+    )
 
 
 def indices(batches):
@@ -45,24 +47,31 @@ def round_order(per_process):
 
 
 # -- one process, simulated ranks -----------------------------------------------------------------------
+@pytest.mark.parametrize("seedable", [False, True])
 @pytest.mark.parametrize("n", [1, 3])
 @pytest.mark.parametrize("shuffle", [True, False])
-def test_restored_loader_yields_exactly_the_remaining_batches_unread(n, shuffle):
-    torch.manual_seed(5)
-    references = [prepared(26, n, p, shuffle=shuffle) for p in range(n)]
-    full = [[indices(loader), indices(loader)] for loader in references]  # epochs 0 and 1
+def test_restored_loader_yields_exactly_the_remaining_batches_unread(n, shuffle, seedable):
+    full = []
+    for p in range(n):  # each simulated process starts from the same global RNG, as set_seed would
+        torch.manual_seed(5)
+        reference = prepared(26, n, p, shuffle=shuffle, seedable=seedable)
+        full.append([indices(reference), indices(reference)])  # epochs 0 and 1
     k = 2
     for p in range(n):
         torch.manual_seed(5)
-        original = prepared(26, n, p, shuffle=shuffle)
+        original = prepared(26, n, p, shuffle=shuffle, seedable=seedable)
         iterator = iter(original)
         assert indices(next(iterator) for _ in range(k)) == full[p][0][:k]
-        saved = original.state_dict()
+        saved, saved_rng = original.state_dict(), torch.get_rng_state()
         assert saved["epoch"] == 0 and saved["samples_consumed"] == k * 3 * n
-        assert saved["seed"] == (5 if shuffle else None) and saved["end_of_epoch"] is False
+        assert saved["end_of_epoch"] is False
+        if seedable:
+            assert saved["seed"] == (5 if shuffle else None) and saved["pass_states"] is None
+        else:  # where the pass's draws began: the order is replayed from there, not drawn again
+            assert saved["seed"] is None and (saved["pass_states"]["shuffle"] is not None) == shuffle
 
         torch.manual_seed(77)  # another global seed: the restored order must come from the state
-        fresh = prepared(26, n, p, shuffle=shuffle)
+        fresh = prepared(26, n, p, shuffle=shuffle, seedable=seedable)
         fresh.load_state_dict(saved)
         assert len(fresh) == len(full[p][0]), "len() stays the epoch's length"
         fresh.dataset.reads = 0
@@ -70,17 +79,26 @@ def test_restored_loader_yields_exactly_the_remaining_batches_unread(n, shuffle)
         assert remaining == full[p][0][k:], f"process {p}: not the remaining batches in order"
         assert fresh.dataset.reads == sum(map(len, remaining)), "skipped batches were loaded"
         assert fresh.epoch == 1 and fresh.state_dict()["samples_consumed"] == 0
+        torch.set_rng_state(saved_rng)  # as load_state restores it: the next pass draws from there
         assert indices(fresh) == full[p][1], "the epoch after the resumed one is complete"
 
 
-def test_state_is_plain_and_loads_with_weights_only(tmp_path):
-    loader = prepared(20, 2, 1, data_seed=3)
+@pytest.mark.parametrize("seedable", [False, True])
+def test_state_is_plain_and_loads_with_weights_only(tmp_path, seedable):
+    loader = prepared(20, 2, 1, seedable=seedable)
     iterator = iter(loader)
     next(iterator)
     state = loader.state_dict()
-    assert all(value is None or type(value) in (int, bool) for value in state.values()), state
-    torch.save(state, tmp_path / "loader.pt")
-    assert torch.load(tmp_path / "loader.pt", weights_only=True) == state
+    passed = state.pop("pass_states")
+    assert all(value is None or type(value) in (int, bool, str) for value in state.values()), state
+    assert (passed is None) == seedable
+    if passed is not None:
+        assert all(type(value) is torch.Tensor and value.device.type == "cpu" for value in passed.values())
+    torch.save({**state, "pass_states": passed}, tmp_path / "loader.pt")
+    loaded = torch.load(tmp_path / "loader.pt", weights_only=True)
+    assert {key: value for key, value in loaded.items() if key != "pass_states"} == state
+    if passed is not None:
+        assert all(torch.equal(loaded["pass_states"][key], value) for key, value in passed.items())
 
 
 def test_position_counts_yielded_batches_not_the_one_read_ahead():
@@ -98,7 +116,9 @@ def test_position_counts_yielded_batches_not_the_one_read_ahead():
         "epoch": 1,
         "samples_consumed": 0,
         "end_of_epoch": False,
+        "order": "torch",
         "seed": None,
+        "pass_states": None,  # the next epoch's pass has not begun: it draws afresh
         "worker_seed": 0,
         "total_batch_size": 4,
     }
@@ -144,11 +164,11 @@ def test_position_converts_across_world_sizes(n):
 
 
 def test_indivisible_position_is_a_value_error_naming_both_numbers():
-    original = prepared(48, 2, 0)
+    original = prepared(48, 2, 0, seedable=True)
     iterator = iter(original)
     next(iterator)
     state = original.state_dict()  # 6 samples
-    target = prepared(48, 4, 0)  # 12 per step
+    target = prepared(48, 4, 0, seedable=True)  # 12 per step
     before = target.state_dict()
     with pytest.raises(ValueError, match=r"samples_consumed=6.*total_batch_size=12") as error:
         target.load_state_dict(state)
@@ -157,9 +177,17 @@ def test_indivisible_position_is_a_value_error_naming_both_numbers():
 
     with pytest.raises(ValueError, match=r"lacks \['samples_consumed'"):
         target.load_state_dict({"epoch": 0})
-    unshuffled = prepared(48, 4, 0, shuffle=False)
+    unshuffled = prepared(48, 4, 0, shuffle=False, seedable=True)
     with pytest.raises(ValueError, match="comes from a loader that shuffled, but this one does not"):
-        unshuffled.load_state_dict(prepared(48, 4, 0).state_dict())
+        unshuffled.load_state_dict(prepared(48, 4, 0, seedable=True).state_dict())
+    began = prepared(48, 4, 0)
+    next(iter(began))
+    with pytest.raises(ValueError, match="comes from a loader that shuffled, but this one does not"):
+        prepared(48, 4, 0, shuffle=False).load_state_dict(began.state_dict())
+    with pytest.raises(
+        ValueError, match=r"use_seedable_sampler=False, but this one has use_seedable_sampler=True"
+    ):
+        unshuffled.load_state_dict(began.state_dict())
 
 
 def test_set_epoch_keeps_the_restored_position_only_for_its_epoch():
@@ -210,7 +238,7 @@ def test_skip_first_batches_copy_reports_the_position_through_the_original():
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-def test_iterating_never_touches_the_global_rng_and_worker_seeds_follow_seed_and_epoch(num_workers):
+def test_seedable_iterating_never_touches_the_global_rng_and_worker_seeds_follow_seed_and_epoch(num_workers):
     torch.manual_seed(3)
     loader = prepared(12, 1, 0, data_seed=6, num_workers=num_workers)
     before = torch.get_rng_state()
@@ -221,7 +249,8 @@ def test_iterating_never_touches_the_global_rng_and_worker_seeds_follow_seed_and
 
     user_generator = torch.Generator().manual_seed(6)
     users = prepare_data_loader(
-        DataLoader(Counting(12), 3, shuffle=True, generator=user_generator, num_workers=num_workers)
+        DataLoader(Counting(12), 3, shuffle=True, generator=user_generator, num_workers=num_workers),
+        use_seedable_sampler=True,
     )
     user_state = user_generator.get_state()
     users.set_epoch(0)
@@ -261,7 +290,7 @@ def test_single_process_dispatcher_resumes(source):
 def records(tmp_path_factory):
     out = tmp_path_factory.mktemp("data_resume")
     launch_ok(WORKERS / "data_resume_worker.py", 2, out)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return [json.loads((out / f"rank{rank}.json").read_text()) | {"dir": str(out)} for rank in range(2)]
 
 
 @pytest.mark.parametrize("case", ["shard", "dispatch", "stream"])
@@ -283,13 +312,15 @@ def test_two_processes_resume_exactly(records, case):
 def test_two_processes_end_state_and_global_rng(records):
     for rec in records:
         assert rec["end_state"]["end_of_epoch"] and rec["end_state"]["samples_consumed"] == 24
-        assert rec["global_rng_untouched"]
+        assert rec["global_rng_as_plain"] == [True, True, True], "shard, dispatch, stream"
+        assert rec["seedable_global_rng_untouched"]
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_two_process_position_loads_into_other_world_sizes(records, n):
-    state = records[0]["cross_state"]
-    assert state == records[1]["cross_state"] and state["samples_consumed"] == 24
+    assert records[0]["cross_state"] == records[1]["cross_state"]
+    state = torch.load(f"{records[0]['dir']}/cross.pt", weights_only=True)
+    assert state["samples_consumed"] == 24
     expected = [i for step in records[0]["cross_remaining"] for i in step]
     loaders = [
         prepare_data_loader(

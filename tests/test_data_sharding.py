@@ -219,15 +219,28 @@ def test_seedable_sampler_is_a_function_of_seed_and_epoch():
     assert torch.equal(before, torch.get_rng_state())
     with_replacement = SeedableRandomSampler(data, replacement=True, num_samples=80, seed=3)
     assert len(list(with_replacement)) == 80 and list(with_replacement) == list(with_replacement)
+    # Accelerate's signature: data_seed=, generator= (its seed; the generator itself is not advanced)
+    assert list(SeedableRandomSampler(data, data_seed=3)) == order(3, 0)
+    generator = torch.Generator().manual_seed(3)
+    state = generator.get_state()
+    assert list(SeedableRandomSampler(data, generator=generator)) == order(3, 0)
+    assert torch.equal(generator.get_state(), state)
+    torch.manual_seed(4)
+    assert list(SeedableRandomSampler(data)) == order(4, 0), "torch's initial seed, as set_seed sets it"
+    with pytest.raises(ValueError, match=r"seed=3 and data_seed=4: they name the same seed"):
+        SeedableRandomSampler(data, seed=3, data_seed=4)
 
 
 def shard_orders(loader, n, epochs=2):
-    """Per epoch, every simulated process's batches of a prepared copy of `loader`."""
-    prepared = [prepare_data_loader(loader, num_processes=n, process_index=p) for p in range(n)]
+    """Per epoch, every simulated process's batches of a prepared copy of `loader` (use_seedable_sampler)."""
+    prepared = [
+        prepare_data_loader(loader, num_processes=n, process_index=p, use_seedable_sampler=True)
+        for p in range(n)
+    ]
     return [[[batch.tolist() for batch in pl] for pl in prepared] for _ in range(epochs)]
 
 
-def test_prepared_shuffle_follows_set_seed_and_the_users_generator():
+def test_seedable_shuffle_follows_set_seed_and_the_users_generator():
     data = torch.arange(40)
     loader = DataLoader(data, batch_size=4, shuffle=True)
     torch.manual_seed(11)
@@ -248,7 +261,7 @@ def test_prepared_shuffle_follows_set_seed_and_the_users_generator():
     other = DataLoader(data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(6))
     assert shard_orders(other, 2) != a
     explicit = prepare_data_loader(loader, num_processes=1, data_seed=5)
-    from_generator = prepare_data_loader(user_seeded, num_processes=1)
+    from_generator = prepare_data_loader(user_seeded, num_processes=1, use_seedable_sampler=True)
     assert [b.tolist() for b in explicit] == [b.tolist() for b in from_generator], (
         "data_seed=5 == generator seed 5"
     )
@@ -266,17 +279,23 @@ class CountingDataset(torch.utils.data.Dataset):
         return index
 
 
+@pytest.mark.parametrize("seedable", [False, True])
 @pytest.mark.parametrize("n", [1, 3])
-def test_skip_first_batches_skips_in_the_sampler_for_one_pass(n):
+def test_skip_first_batches_skips_in_the_sampler_for_one_pass(n, seedable):
     dataset = CountingDataset(26)
     torch.manual_seed(0)
     loader = prepare_data_loader(
-        DataLoader(dataset, batch_size=3, shuffle=True), num_processes=n, process_index=0
+        DataLoader(dataset, batch_size=3, shuffle=True),
+        num_processes=n,
+        process_index=0,
+        use_seedable_sampler=seedable,
     )
+    before = torch.get_rng_state()
     epoch0 = [b.tolist() for b in loader]
     epoch1 = [b.tolist() for b in loader]
     loader.set_epoch(0)
     dataset.reads = 0
+    torch.set_rng_state(before)  # PyTorch's order: a pass draws from the global RNG, as at epoch 0
     resumed = skip_first_batches(loader, 2)
     assert isinstance(resumed, DataLoaderShard) and len(resumed) == len(epoch0) - 2
     assert [b.tolist() for b in resumed] == epoch0[2:]
@@ -296,9 +315,13 @@ def test_random_sampler_inside_a_user_batch_sampler_is_replaced_without_touching
     user_sampler = RandomSampler(range(16))
     batch_sampler = BatchSampler(user_sampler, 4, drop_last=False)
     loader = DataLoader(range(16), batch_sampler=batch_sampler)
-    torch.manual_seed(1)
     prepared = [prepare_data_loader(loader, num_processes=2, process_index=p) for p in range(2)]
     assert loader.batch_sampler.sampler is user_sampler, "the user's loader is left as it was"
-    shards = [[b.tolist() for b in pl] for pl in prepared]
+    shards = []
+    for (
+        pl
+    ) in prepared:  # each simulated process from the same global RNG state (real ones agree by broadcast)
+        torch.manual_seed(1)
+        shards.append([b.tolist() for b in pl])
     assert sorted(i for shard in shards for b in shard for i in b) == list(range(16))
     assert all(pl.batch_size == 4 and pl.total_batch_size == 8 for pl in prepared)

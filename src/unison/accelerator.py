@@ -496,6 +496,7 @@ class Accelerator(
             even_batches=self.even_batches,
             non_blocking=self.non_blocking,
             data_seed=self.dataloader_config.data_seed,
+            use_seedable_sampler=self.use_seedable_sampler,
         )
         self._remember(data_loader, prepared)
         self._dataloaders.append(prepared)

@@ -23,10 +23,13 @@ class DataLoaderConfiguration:
         IterableDataset on several processes, else False.
     even_batches: the last round is topped up from the data's start so every process gets a batch
         (gather_for_metrics drops the top-up); False: processes may get fewer batches.
-    use_seedable_sampler: prepared loaders always draw each epoch's order from one seed shared by every
-        process (what True asks of Accelerate), so the order is the same on any number of processes and
-        resumes exactly; False, Accelerate's default, gives that order too.
-    data_seed: the seed of that order (None: the loader's generator's seed, else torch's initial seed).
+    use_seedable_sampler: False (the default, as in Accelerate): a shuffled loader yields the order the
+        user's unprepared loader gives in one process, drawn from the same generators (the global RNG or
+        the loader's generator, process 0's state on every process; see docs/data-order.md). True: each
+        epoch's order is a function of (seed, epoch) alone and iterating never draws from the global RNG.
+        Both give the same samples per global step on any number of processes and resume exactly.
+    data_seed: the seed of the use_seedable_sampler order (setting it implies use_seedable_sampler; None:
+        the loader's generator's seed, else torch's initial seed).
     non_blocking: copy batches to the GPU without waiting (pinned memory; no effect on the CPU).
     use_stateful_dataloader: prepared loaders already save and restore their position mid-epoch through
         state_dict()/load_state_dict() (and save_state/load_state), so True needs no torchdata.

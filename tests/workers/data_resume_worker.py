@@ -2,12 +2,14 @@
 
 Usage: data_resume_worker.py OUT_DIR. For each kind of loader, every rank records its uninterrupted
 pass (the reference), the state_dict after K batches, and what a freshly prepared loader (other
-global seed, so the shuffle seed must come from the state) yields after load_state_dict. The
-state goes through torch.save / torch.load(weights_only=True) as a checkpoint would take it. Rank 0
-also writes the 2-process position and the remaining samples of a cross-world-size case, which the
-test replays with 1, 2 and 4 simulated processes. OUT_DIR/rank{r}.json holds it for the test.
+global seed, so the order must come from the state) yields after load_state_dict; the next epoch
+draws from the global RNG as saved at that point (save_state/load_state carry it). The state goes
+through torch.save / torch.load(weights_only=True) as a checkpoint would take it. Rank 0 also writes
+the 2-process position (OUT_DIR/cross.pt) and the remaining samples of a cross-world-size case, which
+the test replays with 1, 2 and 4 simulated processes. OUT_DIR/rank{r}.json holds it for the test.
 """
 
+import hashlib
 import json
 import sys
 from pathlib import Path
@@ -55,6 +57,15 @@ def through_disk(loader_state: dict, name: str) -> dict:
     return torch.load(path, weights_only=True)
 
 
+def printable(loader_state: dict) -> dict:
+    """The state for the json record: the generator states (tensors) as digests."""
+    digest = lambda t: None if t is None else hashlib.sha256(t.numpy().tobytes()).hexdigest()  # noqa: E731
+    passed = loader_state["pass_states"]
+    if passed is None:
+        return loader_state
+    return {**loader_state, "pass_states": {key: digest(value) for key, value in passed.items()}}
+
+
 def resume_case(name: str, make) -> None:
     """Reference pass, K batches then state_dict, a fresh loader restored: its pass and the next epoch."""
     set_seed(10)
@@ -64,20 +75,21 @@ def resume_case(name: str, make) -> None:
     interrupted = make()
     iterator = iter(interrupted)
     first = [next(iterator).tolist() for _ in range(K)]
-    saved = interrupted.state_dict()
+    saved, saved_rng = interrupted.state_dict(), torch.get_rng_state()
     loaded = through_disk(saved, name)
-    set_seed(99)  # another global seed: the shuffle seed must come from the state
+    set_seed(99)  # another global seed: the order must come from the state
     fresh = make()
     dataset = fresh.dataset
     reads_before = getattr(dataset, "reads", None)
     fresh.load_state_dict(loaded)
     remaining = [b.tolist() for b in fresh]
     reads = None if reads_before is None else dataset.reads - reads_before
+    torch.set_rng_state(saved_rng)  # as load_state restores it
     out[name] = {
         "reference": full[0],
         "first": first,
-        "state": saved,
-        "loaded": loaded,
+        "state": printable(saved),
+        "loaded": printable(loaded),
         "remaining": remaining,
         "next_epoch": [b.tolist() for b in fresh],
         "reference_next_epoch": full[1],
@@ -107,17 +119,37 @@ set_seed(10)
 last = map_shard()
 for _ in last:
     pass_end = last.state_dict()
-out["end_state"] = pass_end
+out["end_state"] = printable(pass_end)
 
-# -- the global RNG is untouched by iterating prepared loaders in a real group ------------------------
+# -- the global RNG: advanced as the plain loaders advance it (use_seedable_sampler: untouched) --------
+plain_makers = {
+    map_shard: lambda: DataLoader(Counting(), batch_size=BS, shuffle=True),
+    map_dispatch: lambda: DataLoader(Counting(), batch_size=BS, shuffle=True),
+    stream_dispatch: lambda: DataLoader(Stream(), batch_size=BS),
+}
+as_plain = []
+for make, plain in plain_makers.items():
+    set_seed(10)
+    for _ in plain():
+        pass
+    expected = torch.get_rng_state()
+    set_seed(10)
+    for _ in make():
+        pass
+    as_plain.append(torch.equal(expected, torch.get_rng_state()))
+out["global_rng_as_plain"] = as_plain
 set_seed(10)
 before = torch.get_rng_state()
-for make in (map_shard, map_dispatch, stream_dispatch):
-    loader = make()
+for dispatch in (False, True):
+    loader = prepare_data_loader(
+        DataLoader(Counting(), batch_size=BS, shuffle=True),
+        dispatch_batches=dispatch,
+        use_seedable_sampler=True,
+    )
     for _ in loader:
         pass
     iter(loader)
-out["global_rng_untouched"] = torch.equal(before, torch.get_rng_state())
+out["seedable_global_rng_untouched"] = torch.equal(before, torch.get_rng_state())
 
 # -- across world sizes: the position and what is left of the epoch, in round order --------------------
 set_seed(10)
@@ -125,7 +157,9 @@ cross = prepare_data_loader(DataLoader(torch.arange(48), batch_size=BS, shuffle=
 rounds = []
 for i, batch in enumerate(cross):
     if i == 3:  # four batches handed out
-        out["cross_state"] = cross.state_dict()
+        out["cross_state"] = printable(cross.state_dict())
+        if rank == 0:
+            torch.save(cross.state_dict(), out_dir / "cross.pt")
     if i >= 4:
         rounds.append(gather(batch).tolist())
 out["cross_remaining"] = rounds

@@ -6,6 +6,7 @@ seed and epoch, cut into batches, batch i to process i % n, the final round topp
 plus what unison.ops.gather returned over all ranks. OUT_DIR/rank{r}.json holds it for the test.
 """
 
+import hashlib
 import itertools
 import json
 import random
@@ -52,6 +53,16 @@ def permutation(epoch: int) -> list:
     sampler = SeedableRandomSampler(range(SIZE), seed=SEED)
     sampler.set_epoch(epoch)
     return list(sampler)
+
+
+def plain_orders(passes: int, generator=None) -> list:
+    """The orders of `passes` passes of the user's unprepared shuffled loader in ONE process, from the
+    global RNG's (or `generator`'s) current state, which is left as it was."""
+    saved = torch.get_rng_state() if generator is None else generator.get_state()
+    plain = DataLoader(range(SIZE), batch_size=SIZE, shuffle=True, generator=generator)
+    orders = [next(iter(plain)).tolist() for _ in range(passes)]
+    torch.set_rng_state(saved) if generator is None else generator.set_state(saved)
+    return orders
 
 
 def run_epoch(loader, key=lambda b: b) -> dict:
@@ -102,8 +113,9 @@ class Stream(IterableDataset):
         return self.size
 
 
-# -- map-style, shuffled: shards of one agreed permutation, new each epoch -------------------------------
+# -- map-style, shuffled: shards of the order the plain loader gives in one process, new each pass -------
 set_seed(SEED)
+orders = plain_orders(3)
 raw = DataLoader(Squares(), batch_size=BS, shuffle=True)
 loader = prepare_data_loader(raw, num_processes=world, process_index=rank)
 out["types"] = {
@@ -117,25 +129,28 @@ out["types"] = {
 out["shuffled"] = []
 for epoch in range(2):
     record = run_epoch(loader)
-    record["reference"] = reference_batches(permutation(epoch), BS)
+    record["reference"] = reference_batches(orders[epoch], BS)
     out["shuffled"].append(record)
-loader.set_epoch(5)
+loader.set_epoch(5)  # a third pass: as in torch, the epoch number does not decide the order
 record = run_epoch(loader)
-record["reference"] = reference_batches(permutation(5), BS)
+record["reference"] = reference_batches(orders[2], BS)
 out["set_epoch"] = record
 
-# -- a user generator seeded differently on each rank (rank 0: above 2**63): process 0's seed wins ------
+# -- use_seedable_sampler: each epoch's order a function of (seed, epoch) ------------------------------
+set_seed(SEED)
+seedable = prepare_data_loader(raw, num_processes=world, process_index=rank, use_seedable_sampler=True)
+seedable.set_epoch(5)
+record = run_epoch(seedable)
+record["reference"] = reference_batches(permutation(5), BS)
+out["seedable"] = record
+
+# -- a user generator seeded differently on each rank (rank 0: above 2**63): process 0's state wins -----
 user_seed = 2**64 - 5 if rank == 0 else 7 + rank
-seeded = DataLoader(
-    Squares(), batch_size=BS, shuffle=True, generator=torch.Generator().manual_seed(user_seed)
-)
+user_generator = torch.Generator().manual_seed(user_seed)
+seeded = DataLoader(Squares(), batch_size=BS, shuffle=True, generator=user_generator)
 out["user_seeded"] = {
-    "seed": [
-        found.seed
-        for found in (prepare_data_loader(seeded).batch_sampler.batch_sampler.sampler,)
-        if isinstance(found, SeedableRandomSampler)
-    ],
     "batches": [b.tolist() for b in prepare_data_loader(seeded)],
+    "generator_after": hashlib.sha256(user_generator.get_state().numpy().tobytes()).hexdigest(),
 }
 
 # -- split_batches and even_batches=False, with worker processes -------------------------------------

@@ -281,19 +281,23 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
 
 
 def _load_rng_state(directory: Path, manifest: dict[str, Any]) -> None:
-    """Each process resumes its own random streams. On another number of processes there are no
-    streams to match the new ranks with, so none is restored, and that is said, not hidden."""
+    """Each process resumes its own random streams. On another number of processes, the processes whose
+    rank the saved run had (process 0 among them, whose global RNG draws every shuffle: see
+    data/torch_order.py) resume that rank's streams; the others keep theirs. That is said, not hidden."""
     state = PartialState()
     saved_world_size = manifest.get("metadata", {}).get("world_size")
     if saved_world_size != state.num_processes:
         if state.is_main_process:
             logger.warning(
                 "checkpoint %s was saved by %s processes and is loaded by %d: models, optimizers, schedulers "
-                "and data positions carry over; the per-process random states do not (results stay within "
-                "rounding of the original run, not bit-identical).",
+                "and data positions carry over, and processes 0 to %d resume the random streams of the "
+                "saved processes of their rank (so the next shuffles are the saved run's); results stay "
+                "within rounding of the original run, not bit-identical.",
                 directory,
                 saved_world_size,
                 state.num_processes,
+                min(int(saved_world_size or 1), state.num_processes) - 1,
             )
-        return
+        if not (directory / f"rng_state_{state.process_index}.pt").is_file():
+            return
     set_rng_state(load_object(directory / f"rng_state_{state.process_index}.pt"))

@@ -31,10 +31,20 @@ from .. import ops
 from ..state import GradientState
 from .randomness import SeedableRandomSampler, check_rng_types, epoch_seed, synchronize_rng_states
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler
+from .torch_order import PassDraws, PassStates, TorchOrderRandomSampler
 
 _END = object()
 _WORKER_SALT = 0x5851F42D4C957F2D  # worker seeds apart from the shuffle drawn from the same (seed, epoch)
-STATE_KEYS = ("epoch", "samples_consumed", "end_of_epoch", "seed", "worker_seed", "total_batch_size")
+STATE_KEYS = (
+    "epoch",
+    "samples_consumed",
+    "end_of_epoch",
+    "order",
+    "seed",
+    "pass_states",
+    "worker_seed",
+    "total_batch_size",
+)
 
 # DataLoader settings a re-created loader carries over unchanged (those this torch version has)
 CARRIED_SETTINGS = [
@@ -68,18 +78,21 @@ class LoaderProgress:
 
     batches: batches of `epoch` handed out in the latest pass, counted from the epoch's start (a
     skipped start included); end_of_epoch: that pass handed out its last batch; resume: the next
-    pass continues after `batches` instead of starting the epoch afresh (set by load_state_dict).
+    pass continues after `batches` instead of starting the epoch afresh (set by load_state_dict);
+    pass_states: where the draws of `epoch`'s pass began (PyTorch's order only; None until it begins).
     """
 
     epoch: int = 0
     batches: int = 0
     end_of_epoch: bool = False
     resume: bool = False
+    pass_states: PassStates | None = None
 
     def move_to(self, epoch: int) -> None:
         """Go to `epoch`; another epoch than the current one starts from its beginning."""
         if epoch != self.epoch:
             self.epoch, self.batches, self.end_of_epoch, self.resume = epoch, 0, False, False
+            self.pass_states = None
 
 
 def find_in_chain(root: Any, kind: type) -> Any | None:
@@ -118,6 +131,7 @@ class PreparedDataLoader(DataLoader):
         rng_types: Sequence[str] | None = None,
         skip_batches: int = 0,
         progress: LoaderProgress | None = None,
+        use_seedable_sampler: bool = False,
         **loader_kwargs: Any,
     ):
         self._init_kwargs = dict(
@@ -126,6 +140,7 @@ class PreparedDataLoader(DataLoader):
             non_blocking=non_blocking,
             rng_types=rng_types,
             skip_batches=skip_batches,
+            use_seedable_sampler=use_seedable_sampler,
             **loader_kwargs,
         )
         super().__init__(dataset, **loader_kwargs)
@@ -144,6 +159,12 @@ class PreparedDataLoader(DataLoader):
             user_generator.initial_seed() if user_generator is not None else torch.initial_seed()
         )
         self.generator = torch.Generator()
+        self.use_seedable_sampler = use_seedable_sampler
+        self._draws = None
+        if not use_seedable_sampler:
+            shuffle = find_in_chain(self._index_sampler, TorchOrderRandomSampler)
+            self._draws = PassDraws(self.generator, user_generator, shuffle)
+        self._passes_begun = 0
 
     def _clone(self, **overrides: Any) -> PreparedDataLoader:
         """A loader like this one (same kind, same arguments, same progress) with some arguments changed."""
@@ -210,17 +231,26 @@ class PreparedDataLoader(DataLoader):
         was handed out (a save on the last step resumes at the next epoch whatever the new split);
         seed: the shuffle seed (None without shuffling); worker_seed: what seeds the workers when
         nothing shuffles; total_batch_size: this loader's samples_per_step, for error messages.
-        Plain ints, bools and None only: it loads with torch.load(weights_only=True).
+        order: "seedable" or "torch" (use_seedable_sampler); pass_states (PyTorch's order): the generator
+        states the epoch's pass began from, {"base": ..., "shuffle": ...}, or None before it began.
+        Ints, bools, strings, None and CPU tensors: it loads with torch.load(weights_only=True).
         """
         progress, shuffle = self.progress, self._shuffle_sampler()
+        began = progress.pass_states
         return {
             "epoch": progress.epoch,
             "samples_consumed": progress.batches * self.samples_per_step,
             "end_of_epoch": progress.end_of_epoch,
+            "order": self._order,
             "seed": None if shuffle is None else shuffle.seed,
+            "pass_states": None if began is None else began.as_dict(),
             "worker_seed": self.worker_seed,
             "total_batch_size": self.samples_per_step,
         }
+
+    @property
+    def _order(self) -> str:
+        return "seedable" if self.use_seedable_sampler else "torch"
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue where `state` (from state_dict, maybe of another number of processes) stood.
@@ -235,11 +265,24 @@ class PreparedDataLoader(DataLoader):
                 f"this data loader state lacks {missing}: load_state_dict takes the dict a prepared "
                 f"loader's state_dict() returns (keys {', '.join(STATE_KEYS)})."
             )
-        shuffle, seed = self._shuffle_sampler(), state["seed"]
-        if (seed is None) != (shuffle is None):
-            saved, here = ("shuffled", "does not") if shuffle is None else ("did not shuffle", "does")
+        if state["order"] != self._order:
+            flag = {"seedable": True, "torch": False}
             raise ValueError(
-                f"the data loader state (seed={seed}) comes from a loader that {saved}, but this one {here}: "
+                f"the data loader state comes from a loader with "
+                f"use_seedable_sampler={flag[state['order']]}, "
+                f"but this one has use_seedable_sampler={flag[self._order]}: the two draw their orders "
+                "differently, so the saved order could not be continued. Prepare the loader with the saved "
+                "run's setting (DataLoaderConfiguration(use_seedable_sampler=...))."
+            )
+        shuffle, seed = self._shuffle_sampler(), state["seed"]
+        began = state["pass_states"]
+        shuffles_here, saved_shuffled = shuffle is not None, seed is not None
+        if began is not None and self._draws is not None:  # PyTorch's order: did the saved pass shuffle?
+            shuffles_here, saved_shuffled = self._draws.sampler is not None, began["shuffle"] is not None
+        if saved_shuffled != shuffles_here:
+            saved, here = ("shuffled", "does not") if saved_shuffled else ("did not shuffle", "does")
+            raise ValueError(
+                f"the data loader state comes from a loader that {saved}, but this one {here}: "
                 "the order could not be reproduced. Prepare the same DataLoader (shuffle setting) as the "
                 "saved run, or load the state into the loader it was saved from."
             )
@@ -259,12 +302,21 @@ class PreparedDataLoader(DataLoader):
         self.progress.move_to(int(state["epoch"]))
         self.progress.batches = consumed // step
         self.progress.end_of_epoch = bool(state["end_of_epoch"])
+        self.progress.pass_states = None if began is None else PassStates(**began)
         self.progress.resume = True
 
-    def _reseed_generator(self) -> None:
-        shuffle = self._shuffle_sampler()
-        seed = self.worker_seed if shuffle is None else shuffle.seed
-        self.generator.manual_seed(epoch_seed(seed, self.epoch) ^ _WORKER_SALT)
+    def _begin_draws(self, resumed: bool) -> None:
+        """Set this pass's generators: PyTorch's draws (see torch_order), or (seed, epoch)'s."""
+        if self._draws is None:
+            shuffle = self._shuffle_sampler()
+            seed = self.worker_seed if shuffle is None else shuffle.seed
+            self.generator.manual_seed(epoch_seed(seed, self.epoch) ^ _WORKER_SALT)
+            return
+        saved = self.progress.pass_states if resumed else None
+        # persistent workers are started (and seeded) by a loader's first pass only, as in torch
+        keeps_workers = self.persistent_workers and self.num_workers > 0 and self._passes_begun > 0
+        self.progress.pass_states = self._draws.begin(draws_base_seed=not keeps_workers, saved=saved)
+        self._passes_begun += 1
 
     def _batches(self, skip: int) -> Iterator[Any]:
         raise NotImplementedError
@@ -289,8 +341,9 @@ class PreparedDataLoader(DataLoader):
 
     def __iter__(self) -> Iterator[Any]:
         self.set_epoch(self.epoch)
+        resumed = self.progress.resume
         skip, finished = self._start_of_pass()
-        self._reseed_generator()
+        self._begin_draws(resumed)
         synchronize_rng_states(self.rng_types, self.generator)
         self.end_of_dataloader = False
         self.remainder = -1

@@ -19,7 +19,7 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset
 from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
 from .loader import DataLoaderShard, PreparedDataLoader, carried_settings, skipping_loader
-from .randomness import check_rng_types, with_seedable_sampler
+from .randomness import check_rng_types, with_replaced_shuffle, with_seedable_sampler
 from .sharding import (
     BatchSamplerShard,
     IterableDatasetShard,
@@ -27,6 +27,7 @@ from .sharding import (
     check_process_index,
     check_split,
 )
+from .torch_order import TorchOrderRandomSampler
 
 logger = logging.getLogger("unison")
 
@@ -43,14 +44,18 @@ def prepare_data_loader(
     even_batches: bool = True,
     non_blocking: bool = False,
     data_seed: int | None = None,
+    use_seedable_sampler: bool = False,
 ) -> DataLoaderShard | DataLoaderDispatcher:
     """A DataLoaderShard (each process reads its shard) or DataLoaderDispatcher (process 0 reads).
 
     num_processes / process_index default to PartialState's. dispatch_batches defaults to True for an
     IterableDataset with more than one process. put_on_device moves every batch to `device`
     (default: the process's device), with non_blocking copies and pinned memory on CUDA only.
-    data_seed fixes the shuffling seed (default: the loader's generator's seed, else torch's
-    initial seed, which set_seed sets); process 0's value is used everywhere.
+    The order is the user's loader's: each pass draws as plain PyTorch does, from process 0's generator
+    states (see torch_order). use_seedable_sampler=True, or a data_seed, makes each epoch's order a
+    function of (seed, epoch) instead (see randomness): data_seed is that seed (default: the loader's
+    generator's seed, else torch's initial seed, which set_seed sets); process 0's value is used
+    everywhere.
     With split_batches, a batch size that is not a multiple of num_processes is a ValueError, raised
     on every process since every process prepares the same loader; so is even_batches=False for an
     IterableDataset read in shards, which always evens its last round.
@@ -74,16 +79,18 @@ def prepare_data_loader(
     iterable = isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches is None:
         dispatch_batches = iterable and num_processes > 1
+    seedable = use_seedable_sampler or data_seed is not None
     common: dict[str, Any] = {
         **carried_settings(dataloader),
         "device": device if put_on_device else None,
         "non_blocking": non_blocking and on_cuda,
         "rng_types": check_rng_types(rng_types),
+        "use_seedable_sampler": seedable,
     }
     # pinned memory serves only host-to-GPU copies; on a CPU device torch would warn about it
     common["pin_memory"] = on_cuda and (dataloader.pin_memory or (put_on_device and non_blocking))
     dataset = dataloader.dataset
-    batching = _batching(dataloader, data_seed)
+    batching = _batching(dataloader, seedable, data_seed)
 
     if dispatch_batches:
         if (num_processes, process_index) != (state.num_processes, state.process_index):
@@ -124,13 +131,19 @@ def prepare_data_loader(
     return DataLoaderShard(dataset, **batching, **common)
 
 
-def _batching(dataloader: DataLoader, data_seed: int | None) -> dict[str, Any]:
-    """The loader's index sampling as DataLoader arguments, with a seedable shuffle."""
+def _batching(dataloader: DataLoader, seedable: bool, data_seed: int | None) -> dict[str, Any]:
+    """The loader's index sampling as DataLoader arguments, its shuffle one that processes agree on."""
     if isinstance(dataloader.dataset, IterableDataset):
         return {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
+
+    def agreed(sampler: Any) -> Any:
+        if seedable:
+            return with_seedable_sampler(sampler, data_seed)
+        return with_replaced_shuffle(sampler, TorchOrderRandomSampler)
+
     if dataloader.batch_sampler is not None:
-        return {"batch_sampler": with_seedable_sampler(dataloader.batch_sampler, data_seed)}
-    return {"sampler": with_seedable_sampler(dataloader.sampler, data_seed), "batch_size": None}
+        return {"batch_sampler": agreed(dataloader.batch_sampler)}
+    return {"sampler": agreed(dataloader.sampler), "batch_size": None}
 
 
 def _sharded(

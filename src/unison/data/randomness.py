@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Callable, Iterator, Sequence, Sized
 from typing import Any
 
 import torch
@@ -35,13 +35,33 @@ def epoch_seed(seed: int, epoch: int) -> int:
 
 
 class SeedableRandomSampler(RandomSampler):
-    """A RandomSampler whose order at each epoch is a function of (seed, epoch) only."""
+    """A RandomSampler whose order at each epoch is a function of (seed, epoch) only.
+
+    Takes Accelerate's arguments too: the seed is `seed` or `data_seed`, else the seed of `generator`,
+    else torch's initial seed (what set_seed sets). The generator only supplies that seed: each epoch
+    draws from a generator of its own, so iterating leaves the user's generator as it was.
+    """
 
     def __init__(
-        self, data_source: Sized, replacement: bool = False, num_samples: int | None = None, seed: int = 0
+        self,
+        data_source: Sized,
+        replacement: bool = False,
+        num_samples: int | None = None,
+        seed: int | None = None,
+        *,
+        generator: torch.Generator | None = None,
+        data_seed: int | None = None,
     ):
         super().__init__(data_source, replacement=replacement, num_samples=num_samples)
-        self.seed = int(seed)
+        if seed is not None and data_seed is not None and int(seed) != int(data_seed):
+            raise ValueError(
+                f"SeedableRandomSampler got seed={seed} and data_seed={data_seed}: they name the same "
+                "seed; pass one of them."
+            )
+        chosen = seed if seed is not None else data_seed
+        if chosen is None:
+            chosen = generator.initial_seed() if generator is not None else torch.initial_seed()
+        self.seed = int(chosen)
         self.epoch = 0
 
     def set_epoch(self, epoch: int) -> None:
@@ -84,19 +104,31 @@ def broadcast_seed(seed: int) -> int:
 
 
 def with_seedable_sampler(sampler: Any, data_seed: int | None = None) -> Any:
-    """`sampler` with its torch RandomSampler (itself, or the one a batch sampler draws from) replaced.
+    """`sampler` with its torch RandomSampler replaced by a SeedableRandomSampler (see
+    `with_replaced_shuffle`)."""
+
+    def seedable(shuffle: RandomSampler) -> SeedableRandomSampler:
+        seed = shuffle_seed(shuffle, data_seed)
+        return SeedableRandomSampler(
+            shuffle.data_source, shuffle.replacement, shuffle._num_samples, seed=seed
+        )
+
+    return with_replaced_shuffle(sampler, seedable)
+
+
+def with_replaced_shuffle(sampler: Any, replace: Callable[[RandomSampler], Any]) -> Any:
+    """`sampler` with its torch RandomSampler (itself, or the one a batch sampler draws from) replaced
+    by `replace(it)`.
 
     A batch sampler is shallow-copied with the new sampler, so the user's object is left untouched.
     Other samplers are returned as they are.
     """
     if type(sampler) is RandomSampler:
-        return SeedableRandomSampler(
-            sampler.data_source, sampler.replacement, sampler._num_samples, shuffle_seed(sampler, data_seed)
-        )
+        return replace(sampler)
     inner = getattr(sampler, "sampler", None)
     if type(inner) is RandomSampler:
         replaced = copy.copy(sampler)
-        replaced.sampler = with_seedable_sampler(inner, data_seed)
+        replaced.sampler = replace(inner)
         return replaced
     return sampler
 
