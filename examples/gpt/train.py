@@ -128,7 +128,8 @@ def main() -> None:
         cpu=args.cpu or None,
         project_config=ProjectConfiguration(project_dir=args.project_dir, total_limit=2),
     )
-    # The same seed on every process: identical initial weights, and a shuffle all processes agree on.
+    # Identical initial weights on every process; the shuffle is the plain DataLoader's, drawn from
+    # process 0's generator and shared by all (docs/data-order.md).
     set_seed(args.seed)
 
     # ---- data: every process builds the same text and vocabulary; prepare() gives each its own shard
@@ -200,7 +201,7 @@ def main() -> None:
     last_log_step = step
     start = last_log = time.perf_counter()
     while step < args.max_steps:
-        train_dl.set_epoch(epoch)  # a new shuffle each epoch, the same on every process
+        train_dl.set_epoch(epoch)  # the epoch, for the dataset and a resumed run's position
         for x, y in train_dl:
             with accelerator.accumulate(model):
                 # forward + backward (divided by the accumulation steps); a pipeline's whole schedule
