@@ -193,3 +193,52 @@ def test_unwrap_model_keeps_autocast_unless_keep_fp32_wrapper_is_false():
     assert torch.equal(accelerator.unwrap_model(prepared)(x).detach(), in_bf16)  # as Accelerate
     plain = accelerator.unwrap_model(prepared, keep_fp32_wrapper=False)
     assert torch.equal(plain(x).detach(), full) and torch.equal(prepared(x).detach(), full)  # for good
+
+
+def test_strict_load_state_across_layouts_on_several_processes(records):
+    """The model saved under DDP (one torch file) and ZeRO-3 (DCP shards), loaded into the model with one
+    more parameter (`extra`) under DDP and ZeRO-3, and back: strict refuses on every process naming the
+    key; strict=False loads the rest and leaves `extra` as it was."""
+    for record in records:
+        loads = record["strict_loads"]
+        assert set(loads) == {"zero3->ddp", "ddp->zero3", "zero3->zero3", "extra->zero3", "extra->ddp"}
+        for name, load in loads.items():
+            kind = "holds extra, which the model has not" if name.startswith("extra") else "has no extra"
+            assert kind in load["refused"] and "strict=False" in load["refused"], (name, load["refused"])
+            assert load["loaded_equal"], name
+    for name, load in records[0]["strict_loads"].items():
+        assert load["extra"] == (None if name.startswith("extra") else [5.0, 5.0, 5.0]), name
+
+
+class _WithExtra(torch.nn.Module):
+    def __init__(self, extra: bool) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+        if extra:
+            self.extra = torch.nn.Parameter(torch.full((2,), 7.0))
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_strict_load_state_on_one_process(tmp_path):
+    torch.manual_seed(0)
+    saver = Accelerator(cpu=True)
+    saved = saver.prepare(_WithExtra(extra=False))
+    checkpoint = saver.save_state(tmp_path / "plain")
+    loader = Accelerator(cpu=True)
+    model = loader.prepare(_WithExtra(extra=True))
+    before = {key: value.clone() for key, value in model.state_dict().items()}
+    with pytest.raises(unison.CheckpointError, match=r"the checkpoint has no extra: .*strict=False"):
+        loader.load_state(checkpoint)
+    assert all(torch.equal(value, before[key]) for key, value in model.state_dict().items())  # untouched
+    loader.load_state(checkpoint, strict=False)
+    for key, value in saved.state_dict().items():
+        assert torch.equal(model.state_dict()[key], value), key
+    assert model.extra.tolist() == [7.0, 7.0]
+    # the other way: the checkpoint holds a key the model has not
+    with_extra = loader.save_state(tmp_path / "extra")
+    back = Accelerator(cpu=True)
+    plain = back.prepare(_WithExtra(extra=False))
+    with pytest.raises(unison.CheckpointError, match=r"holds extra, which the model has not"):
+        back.load_state(with_extra)
+    back.load_state(with_extra, strict=False)
+    assert all(torch.equal(value, saved.state_dict()[key]) for key, value in plain.state_dict().items())

@@ -9,6 +9,8 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
   sync_with_dataloader True and False;
 - "fp16_hook": DDP's gradient all-reduce through torch's fp16 compression hook, against the fp32
   mean of every rank's local gradient;
+- "strict_loads": load_state(strict=True / False) of checkpoints saved under DDP and ZeRO-3 into the
+  model with one more parameter under ZeRO-3 and DDP, and back (see strict_loads below);
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
 """
 
@@ -21,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
+import unison
 from unison import Accelerator, PartialState
 from unison.utils import (
     DataLoaderConfiguration,
@@ -173,6 +176,60 @@ tracked.log({"loss": torch.tensor(float(tracked.process_index)), "step_time": 0.
 record["trackers_here"] = [tracker.name for tracker in tracked.trackers]
 record["runs_dir"] = str(out_dir / "runs")
 tracked.end_training()
+
+
+# load_state(strict=...): checkpoints of the model saved under DDP (one torch file) and ZeRO-3 (DCP shards)
+# loaded into the same model with one more parameter, under ZeRO-3 and DDP; and that model's ZeRO-3
+# checkpoint loaded back into the model without it (a key the checkpoint holds and the model has not).
+class WithExtra(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        set_seed(11)  # other values than make_model's: a load that did nothing would show
+        self.net = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+        self.extra = nn.Parameter(torch.full((3,), 5.0))
+
+
+def plain_net() -> nn.Module:
+    model = nn.Module()
+    model.net = make_model()
+    return model
+
+
+def strict_loads(into: str, model: nn.Module, source: Path) -> dict:
+    """Load `source` into `model` under layout `into`, strict then not; what each process saw."""
+    loader = Accelerator(cpu=True, parallelism=into)
+    prepared = loader.prepare(model)
+    try:
+        loader.load_state(source)
+        refused = ""
+    except unison.CheckpointError as error:
+        refused = str(error)
+    loader.load_state(source, strict=False)
+    state = loader.get_state_dict(prepared)  # the whole model, on process 0
+    expected = plain_net().state_dict()
+    return {
+        "refused": refused,
+        "loaded_equal": not state or all(torch.equal(state[k], v) for k, v in expected.items()),
+        "extra": state["extra"].tolist() if "extra" in state else None,
+        "prepared": prepared,
+        "accelerator": loader,
+    }
+
+
+checkpoints = {}
+for layout in ("ddp", "zero3"):
+    saver = Accelerator(cpu=True, parallelism=layout)
+    saver.prepare(plain_net())
+    checkpoints[layout] = saver.save_state(out_dir / f"plain_{layout}")
+strict = {}
+for into, source in (("ddp", "zero3"), ("zero3", "ddp"), ("zero3", "zero3")):
+    result = strict_loads(into, WithExtra(), checkpoints[source])
+    strict[f"{source}->{into}"] = {key: result[key] for key in ("refused", "loaded_equal", "extra")}
+extra_checkpoint = result["accelerator"].save_state(out_dir / "extra_zero3")  # DCP shards
+for into in ("zero3", "ddp"):
+    result = strict_loads(into, plain_net(), extra_checkpoint)
+    strict[f"extra->{into}"] = {key: result[key] for key in ("refused", "loaded_equal", "extra")}
+record["strict_loads"] = strict
 
 rank = accelerator.process_index
 # accelerator.save: the main process writes, whoever calls (here: every process, each its own value)

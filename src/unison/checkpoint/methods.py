@@ -85,12 +85,17 @@ class CheckpointMethods:
         return directory
 
     def load_state(
-        self, input_dir: str | os.PathLike | None = None, *, missing_ok: bool = False
+        self, input_dir: str | os.PathLike | None = None, *, missing_ok: bool = False, strict: bool = True
     ) -> Path | None:
         """Restore the training state saved by save_state; prepared loaders continue mid-epoch.
 
         Without input_dir the newest complete checkpoint under project_dir/checkpoints is loaded. If
         there is none, missing_ok=True returns None (start fresh); otherwise FileNotFoundError.
+        strict (Accelerate's load_state(..., strict=...), torch's load_state_dict meaning): each model's
+        saved keys must be exactly its own, else a CheckpointError names the keys before anything is
+        applied; strict=False loads the weights both have and leaves the model's others as they are (e.g. a
+        head added since the save), in every layout, sharded ones included. It concerns the models: as in
+        Accelerate, optimizer state still has to match its optimizer's parameters.
         """
         checkpoints = self._checkpoints_dir("load_state") if input_dir is None else None
         # The main process looks at the file system and every process follows its answer: a node whose
@@ -108,7 +113,7 @@ class CheckpointMethods:
                 f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
                 "first, or pass missing_ok=True to start fresh when there is nothing to resume."
             )
-        load_training_state(self, directory)
+        load_training_state(self, directory, strict=strict)
         return directory
 
     def checkpoints(self) -> list[Path]:

@@ -52,7 +52,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..parallel.ddp import unwrap
-from .storage import CheckpointError
+from .storage import CheckpointError, describe_keys, model_keys_error
 
 DCP_METADATA = ".metadata"
 """The file DCP writes last into a part's directory; a part saved sharded is recognised by it."""
@@ -206,14 +206,26 @@ class SafeLoadPlanner(DefaultLoadPlanner):
 
     `optional_prefix`: keys under it may be absent from the checkpoint as a whole (an optimizer saved
     before its first step has hyper-parameters but no state); `found_optional` says whether any was
-    there. Any other key missing from the checkpoint is an error naming it.
+    there. Any other key missing from the checkpoint is an error naming it, unless strict=False
+    (load_state(strict=False)): then the keys are left out of the load, as DCP's allow_partial_load does,
+    and listed in `missing`. `model_keys`, with strict: the keys the model has on any process; a saved
+    key outside them is an error too, as in torch's load_state_dict(strict=True) (DCP itself reads
+    only the keys asked for, and would ignore it).
     """
 
-    def __init__(self, optional_prefix: str | None = None) -> None:
+    def __init__(
+        self,
+        optional_prefix: str | None = None,
+        strict: bool = True,
+        model_keys: frozenset[str] | None = None,
+    ) -> None:
         # unison's state dicts are flat (name -> value): no flattening, so self.state_dict is the caller's
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.optional_prefix = optional_prefix
+        self.strict = strict
+        self.model_keys = model_keys
         self.found_optional = False
+        self.missing: list[str] = []
 
     def set_up_planner(
         self, state_dict: Any, metadata: Metadata | None = None, is_coordinator: bool = False
@@ -222,17 +234,23 @@ class SafeLoadPlanner(DefaultLoadPlanner):
         saved = metadata.state_dict_metadata
         prefix = self.optional_prefix
         self.found_optional = prefix is not None and any(key.startswith(prefix) for key in saved)
-        missing = [key for key in self.state_dict if key not in saved]
-        required = [
-            key for key in missing if prefix is None or self.found_optional or not key.startswith(prefix)
-        ]
-        if required:
-            shown = ", ".join(required[:5]) + (f" and {len(required) - 5} more" if len(required) > 5 else "")
-            raise KeyError(
-                f"the checkpoint has no {shown}: it was saved from a model or optimizer with other parameter "
-                "names (another model, or an optimizer of another type)"
-            )
-        self.allow_partial_load = bool(missing)
+        self.missing = [key for key in self.state_dict if key not in saved]
+        if self.strict:
+            required = [
+                key
+                for key in self.missing
+                if prefix is None or self.found_optional or not key.startswith(prefix)
+            ]
+            unexpected = [] if self.model_keys is None else sorted(set(saved) - self.model_keys)
+            if required or unexpected:
+                advice = (
+                    "another model (pass load_state(..., strict=False) to load the weights both have)"
+                    if self.model_keys is not None
+                    else "a model or optimizer with other parameter names (another model, or an optimizer of "
+                    "another type)"
+                )
+                raise KeyError(f"{describe_keys(required, unexpected)}: it was saved from {advice}")
+        self.allow_partial_load = bool(self.missing)
 
     def load_bytes(self, read_item: Any, value: Any) -> None:
         self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=True)
@@ -345,16 +363,38 @@ def is_sharded_part(directory: Path) -> bool:
     return (directory / DCP_METADATA).is_file()
 
 
-def read_model_state(model: nn.Module, directory: Path) -> dict[str, Any]:
-    """Read a DCP model part into new tensors laid out like `model`'s own (nothing applied). Collective."""
+def model_keys_everywhere(models: Sequence[nn.Module]) -> list[frozenset[str]]:
+    """For each model, the state-dict keys it has on any process (a pipeline stage holds only its own
+    modules' keys): what a checkpoint's keys are checked against. Collective."""
+    local = [sorted(get_model_state_dict(unwrap(model))) for model in models]
+    everyone = [local]
+    if _distributed():
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, local)
+    return [frozenset(key for keys in everyone for key in keys[i]) for i in range(len(models))]
+
+
+def read_model_state(
+    model: nn.Module, directory: Path, strict: bool = True, model_keys: frozenset[str] | None = None
+) -> dict[str, Any]:
+    """Read a DCP model part into new tensors laid out like `model`'s own (nothing applied). Collective.
+
+    strict: the checkpoint must hold exactly the model's keys (`model_keys`, see model_keys_everywhere;
+    None: this process's, which every layout but pipeline stages holds whole). strict=False reads the keys
+    both have; the model's others are left out of the result, to keep their values.
+    """
     state = _empty_like(get_model_state_dict(unwrap(model)))
-    _dcp_load(state, directory, SafeLoadPlanner())
+    planner = SafeLoadPlanner(strict=strict, model_keys=model_keys or frozenset(state))
+    _dcp_load(state, directory, planner)
+    for key in planner.missing:  # not in the checkpoint: DCP left the empty tensor, not to be applied
+        del state[key]
     return state
 
 
-def apply_model_state(model: nn.Module, state: dict[str, Any]) -> None:
-    """Copy what `read_model_state` read into the model's parameters and buffers."""
-    set_model_state_dict(unwrap(model), state)
+def apply_model_state(model: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
+    """Copy what `read_model_state` read into the model's parameters and buffers (strict=False: those
+    it read; the others keep their values)."""
+    set_model_state_dict(unwrap(model), state, options=StateDictOptions(strict=strict))
 
 
 @dataclass
@@ -406,26 +446,30 @@ def _sync_zero_param_groups(optimizer: torch.optim.Optimizer) -> None:
             outer_group.update((key, value) for key, value in inner_group.items() if key != "params")
 
 
-def check_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Raise CheckpointError unless `state` (a whole-model state dict) has every key `model` holds."""
+def check_full_model_state(
+    model: nn.Module, state: dict[str, torch.Tensor], model_keys: frozenset[str] | None = None
+) -> None:
+    """Raise CheckpointError unless `state` (a whole-model state dict) has every key `model` holds on
+    this process, and, given `model_keys` (the model's keys on any process), none beyond them."""
     missing = [key for key in get_model_state_dict(unwrap(model)) if key not in state]
-    if missing:
-        raise CheckpointError(
-            f"the checkpoint's model state has no {', '.join(missing[:5])}: it was saved from another model. "
-            "Load it into the model of the run that saved it."
-        )
+    unexpected = [] if model_keys is None else sorted(set(state) - model_keys)
+    if missing or unexpected:
+        raise model_keys_error(missing, unexpected)
 
 
-def apply_full_model_state(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+def apply_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
     """Load a consolidated state dict (a plain or DDP run's `model_<i>.pt`) into any layout.
 
     Each process keeps the slices its shards cover; a pipeline stage takes only its own keys.
+    strict=False loads the keys both have and leaves the model's others as they are.
     Collective under sharded layouts (the full tensors are distributed to the shards).
     """
-    check_full_model_state(model, state)
+    if strict:
+        check_full_model_state(model, state)
     module = unwrap(model)
-    own = {key: state[key] for key in get_model_state_dict(module)}
-    set_model_state_dict(module, own, options=StateDictOptions(full_state_dict=True))
+    own = {key: state[key] for key in get_model_state_dict(module) if key in state}
+    options = StateDictOptions(full_state_dict=True, strict=strict)
+    set_model_state_dict(module, own, options=options)
 
 
 def check_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

@@ -51,6 +51,26 @@ class CheckpointError(ValueError):
     """A checkpoint directory is incomplete or damaged, or an object in it cannot be loaded safely."""
 
 
+def describe_keys(missing: list[str], unexpected: list[str]) -> str:
+    """How a saved state dict and the live object's keys differ (up to five keys of each kind), for errors
+    that name the keys as torch's load_state_dict(strict=True) does."""
+
+    def shown(keys: list[str]) -> str:
+        return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
+
+    parts = [f"has no {shown(missing)}"] if missing else []
+    parts += [f"holds {shown(unexpected)}, which the model has not"] if unexpected else []
+    return "the checkpoint " + " and ".join(parts)
+
+
+def model_keys_error(missing: list[str], unexpected: list[str]) -> CheckpointError:
+    """The error of a strict load (load_state's default) into a model whose keys are not the checkpoint's."""
+    return CheckpointError(
+        f"{describe_keys(missing, unexpected)}: it was saved from another model. Load it into the model of "
+        "the run that saved it, or pass load_state(..., strict=False) to load the weights both have."
+    )
+
+
 @dataclass
 class ProjectConfiguration:
     """Where a project's checkpoints and logs go (Accelerate's fields and defaults).

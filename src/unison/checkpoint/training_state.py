@@ -21,11 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .. import ops
+from ..parallel.ddp import unwrap
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
 from .storage import (
     CheckpointError,
     load_object,
+    model_keys_error,
     raise_if_any_process_failed,
     save_object,
     verify_checkpoint,
@@ -52,7 +54,7 @@ def _replicated_parts(accelerator: Accelerator) -> dict[str, Any]:
     """file name -> the object (with state_dict/load_state_dict) whose state it holds."""
     parts: dict[str, Any] = {}
     for i, model in enumerate(accelerator._models):
-        parts[f"model_{i}.pt"] = accelerator.unwrap_model(model)
+        parts[f"model_{i}.pt"] = unwrap(model)
     for i, optimizer in enumerate(accelerator._optimizers):
         parts[f"optimizer_{i}.pt"] = optimizer
     for i, scheduler in enumerate(accelerator._schedulers):
@@ -130,7 +132,7 @@ def _models_saved_by_hooks(accelerator: Accelerator, output_dir: Path) -> list[i
     hooks = list(accelerator._save_state_pre_hooks.values())
     if not hooks:
         return []
-    weights = [accelerator.unwrap_model(model).state_dict() for model in accelerator._models]
+    weights = [unwrap(model).state_dict() for model in accelerator._models]
     offered = [id(weight) for weight in weights]
     for hook in hooks:
         hook(list(accelerator._models), weights, str(output_dir))
@@ -173,11 +175,16 @@ def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any
 
 
 def _read_sharded(
-    directory: Path, names: list[str], model_parts: dict[str, tuple[torch.nn.Module, Any]]
+    directory: Path,
+    names: list[str],
+    model_parts: dict[str, tuple[torch.nn.Module, Any]],
+    strict: bool,
+    model_keys: dict[str, frozenset[str]],
 ) -> tuple[dict[str, Any], Exception | None]:
     """Read the DCP parts into new tensors (nothing applied); the first failure is returned, not raised.
 
     Collective. A DCP failure is reported to every process alike, so all stop at the same part.
+    strict / model_keys: see load_training_state.
     """
     staged: dict[str, Any] = {}
     for name in names:
@@ -191,7 +198,7 @@ def _read_sharded(
         path = _part_directory(directory, name)
         try:
             if part is model:
-                staged[name] = _sharded().read_model_state(model, path)
+                staged[name] = _sharded().read_model_state(model, path, strict, model_keys.get(name))
             else:
                 staged[name] = _sharded().read_optimizer_state(model, part, path)
         except CheckpointError as exc:
@@ -199,27 +206,66 @@ def _read_sharded(
     return staged, None
 
 
+def _fit_error(
+    parts: dict[str, Any],
+    model_parts: dict[str, tuple[torch.nn.Module, Any]],
+    sharded_parts: set[str],
+    loaded: dict[str, Any],
+    strict: bool,
+    model_keys: dict[str, frozenset[str]],
+) -> Exception | None:
+    """Whether the files read whole fit the live objects, checked before anything is applied: a plain
+    or DDP run's model and optimizer files loaded into a sharded layout, and, with strict, each model
+    file's keys (exactly the model's, as torch's load_state_dict(strict=True) wants them)."""
+    try:
+        for name in [name for name in parts if name in loaded]:
+            is_model = name.startswith("model_")
+            if name in sharded_parts:
+                model, live = model_parts[name]
+                if not is_model:
+                    _sharded().check_full_optimizer_state(live, loaded[name])
+                elif strict:
+                    _sharded().check_full_model_state(model, loaded[name], model_keys[name])
+            elif strict and is_model:  # a replicated model: the same keys on every process
+                keys = parts[name].state_dict().keys()
+                missing = [key for key in keys if key not in loaded[name]]
+                unexpected = [key for key in loaded[name] if key not in keys]
+                if missing or unexpected:
+                    raise model_keys_error(missing, unexpected)
+    except CheckpointError as error:
+        return error
+    return None
+
+
 def _apply(
-    name: str, part: Any, model_parts: dict, sharded_parts: set[str], staged: dict, loaded: dict
+    name: str,
+    part: Any,
+    model_parts: dict,
+    sharded_parts: set[str],
+    staged: dict,
+    loaded: dict,
+    strict: bool,
 ) -> None:
     """Put one part's loaded state into the live object, whatever the saved and the live layouts."""
     if name in staged:  # saved sharded: DCP read the pieces this process's layout needs
         model, live = model_parts[name]
         if live is model:
-            _sharded().apply_model_state(model, staged[name])
+            _sharded().apply_model_state(model, staged[name], strict)
         else:
             _sharded().apply_optimizer_state(model, live, staged[name])
     elif name in sharded_parts:  # saved whole by a plain or DDP run, loaded into a sharded layout
         model, live = model_parts[name]
         if live is model:
-            _sharded().apply_full_model_state(model, loaded[name])
+            _sharded().apply_full_model_state(model, loaded[name], strict)
         else:
             _sharded().apply_full_optimizer_state(model, live, loaded[name])
+    elif name.startswith("model_"):
+        part.load_state_dict(loaded[name], strict=strict)
     else:
         part.load_state_dict(loaded[name])
 
 
-def load_training_state(accelerator: Accelerator, directory: Path) -> None:
+def load_training_state(accelerator: Accelerator, directory: Path, strict: bool = True) -> None:
     """Restore everything `save_training_state` wrote, into the objects this Accelerator prepared.
 
     The main process checks every file's size and checksum while all processes read theirs (one
@@ -227,6 +273,8 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     the check has passed, and a failed check raises the same error on every process. Model and
     optimizer parts saved through DCP are read, on each process, into new tensors laid out like its
     own shards; parts load across layouts (sharded <-> plain, another number of processes).
+    strict: each model's saved keys must be exactly its own (a CheckpointError naming the keys, before
+    anything is applied); strict=False loads the keys both have and leaves the model's others as they are.
     """
     state = PartialState()
     loaded_by_hooks = {f"model_{i}.pt" for i in _models_loaded_by_hooks(accelerator, directory)}
@@ -244,11 +292,12 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
         and _sharded().is_sharded_part(_part_directory(directory, name))
     )
     saved_sharded = ops.broadcast_object_list([saved_sharded], from_process=0)[0]
+    model_keys = _model_keys(model_parts, sharded_parts) if strict else {}
     torch_files = [name for name in [*parts, COUNTERS_FILE] if name not in saved_sharded]
     with ThreadPoolExecutor(max_workers=1) as pool:
         check = pool.submit(_checked_on_main_process, directory) if state.is_main_process else None
         loaded, read_error = _read(directory, torch_files, accelerator.device)
-        staged, stage_error = _read_sharded(directory, saved_sharded, model_parts)
+        staged, stage_error = _read_sharded(directory, saved_sharded, model_parts, strict, model_keys)
         verdict = check.result() if check is not None else None
     manifest, error = ops.broadcast_object_list(list(verdict or (None, None)), from_process=0)
     if error is not None:
@@ -262,15 +311,11 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
             "optimizers, schedulers, data loaders or registered objects (or another precision) than this "
             "one. Prepare the same objects, in the same order, as the run that saved it."
         )
-    raise_if_any_process_failed(read_error or stage_error, f"loading {directory}")
-    for name in sharded_parts.difference(staged):  # whole-model files into a sharded layout: fit first
-        model, live = model_parts[name]
-        if live is model:
-            _sharded().check_full_model_state(model, loaded[name])
-        else:
-            _sharded().check_full_optimizer_state(live, loaded[name])
+    failure = read_error or stage_error
+    failure = failure or _fit_error(parts, model_parts, sharded_parts, loaded, strict, model_keys)
+    raise_if_any_process_failed(failure, f"loading {directory}")
     for name, part in parts.items():
-        _apply(name, part, model_parts, sharded_parts, staged, loaded)
+        _apply(name, part, model_parts, sharded_parts, staged, loaded, strict)
     counters = loaded[COUNTERS_FILE]
     accelerator.step = counters["step"]
     for optimizer, steps in zip(accelerator._optimizers, counters["optimizer_steps"]):
@@ -278,6 +323,19 @@ def load_training_state(accelerator: Accelerator, directory: Path) -> None:
     _load_rng_state(directory, manifest)
     accelerator.wait_for_everyone()
     logger.info("loaded the training state from %s", directory)
+
+
+def _model_keys(
+    model_parts: dict[str, tuple[torch.nn.Module, Any]], sharded_parts: set[str]
+) -> dict[str, frozenset[str]]:
+    """Part name -> the keys its model has on any process, for the models of a sharded layout (a pipeline
+    stage holds only its own keys; a strict load checks the checkpoint's against all of them). Collective:
+    `sharded_parts` is the same on every process."""
+    names = sorted(name for name in sharded_parts if model_parts[name][1] is model_parts[name][0])
+    if not names:
+        return {}
+    keys = _sharded().model_keys_everywhere([model_parts[name][0] for name in names])
+    return dict(zip(names, keys))
 
 
 def _load_rng_state(directory: Path, manifest: dict[str, Any]) -> None:
