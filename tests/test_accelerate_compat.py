@@ -242,3 +242,27 @@ def test_strict_load_state_on_one_process(tmp_path):
         back.load_state(with_extra)
     back.load_state(with_extra, strict=False)
     assert all(torch.equal(value, saved.state_dict()[key]) for key, value in plain.state_dict().items())
+
+
+def test_join_uneven_inputs_gives_torchs_join_gradients_without_hanging(records):
+    """2n + 1 batches dealt without top-up (process 0 has one more): every step's all-reduced gradient and
+    the final parameters equal Join's one-process reference (absent processes contribute zeros, the sum
+    divided by n); even_batches is overridden for the context only; layouts Join cannot shadow refuse."""
+    for rank, record in enumerate(records):
+        join = record["join"]
+        assert join["steps"] == (3 if rank == 0 else 2)
+        assert join["lengths"] == {"before": 3, "inside": 3 if rank == 0 else 2, "after": 3}
+        assert join["max_grad_diff"] < 1e-6 and join["max_param_diff"] < 1e-6, join
+        refusals = join["refusals"]
+        assert "not FSDP2's collectives" in refusals["zero3"] and "parallelism='ddp'" in refusals["zero3"]
+        assert "sync_with_dataloader=False" in refusals["accumulation"]
+        assert refusals["even"] == ""
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_join_uneven_inputs_on_one_process_has_nothing_to_join():
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 1))
+    with accelerator.join_uneven_inputs([model], even_batches=False):  # not a Joinable here: no Join
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+    assert model.weight.grad is not None

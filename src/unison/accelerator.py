@@ -54,6 +54,7 @@ from .parallel.apply import (
 from .parallel.auto import plan_for_this_job
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
+from .parallel.join import join_uneven_inputs
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
 from .parallel.ranks import LayoutProperties
@@ -504,6 +505,13 @@ class Accelerator(
 
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
         return skip_first_batches(dataloader, num_batches)
+
+    def join_uneven_inputs(
+        self, joinables: list[torch.nn.Module], even_batches: bool | None = None
+    ) -> contextlib.AbstractContextManager:
+        """torch's Join over the DDP models while the prepared loaders run with `even_batches`, so
+        processes with fewer batches do not hang the others (Accelerate's; see parallel/join.py)."""
+        return join_uneven_inputs(self, joinables, even_batches)
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The user's module inside the wrappers prepare() added (and torch.compile's).

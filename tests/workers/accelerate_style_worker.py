@@ -11,6 +11,8 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
   mean of every rank's local gradient;
 - "strict_loads": load_state(strict=True / False) of checkpoints saved under DDP and ZeRO-3 into the
   model with one more parameter under ZeRO-3 and DDP, and back (see strict_loads below);
+- "join": join_uneven_inputs over a DDP model with even_batches=False and 2n + 1 batches, against a
+  one-process reference of what torch's Join computes; and the layouts it refuses;
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
 """
 
@@ -230,6 +232,78 @@ for into in ("zero3", "ddp"):
     result = strict_loads(into, plain_net(), extra_checkpoint)
     strict[f"extra->{into}"] = {key: result[key] for key in ("refused", "loaded_equal", "extra")}
 record["strict_loads"] = strict
+
+
+# join_uneven_inputs: 2n + 1 batches of 2 (the last of one sample) dealt without top-up, so process 0 has
+# 3 batches and the others 2. Join's reference, on one process: each step's gradient is the sum over the
+# processes that still had a batch, divided by n (the joined ones all-reduce zeros), and every process
+# ends with the parameters of the last to join.
+def join_reference(x: torch.Tensor, y: torch.Tensor, n: int, lr: float) -> tuple[list, nn.Module]:
+    model = make_model()
+    gradients = []
+    for step in range(3):
+        for p in model.parameters():
+            p.grad = None
+        for process in range(n):
+            index = step * n + process
+            if index * 2 < len(x):
+                loss = nn.functional.mse_loss(
+                    model(x[index * 2 : index * 2 + 2]), y[index * 2 : index * 2 + 2]
+                )
+                (loss / n).backward()
+        gradients.append([p.grad.clone() for p in model.parameters()])
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+    return gradients, model
+
+
+joiner = Accelerator(cpu=True)  # even_batches=True by default: overridden for the context only
+n = joiner.num_processes
+uneven = make_data(2 * (2 * n) + 1)
+net = make_model()
+net, opt, rows = joiner.prepare(
+    net, torch.optim.SGD(net.parameters(), lr=0.1), DataLoader(uneven, batch_size=2)
+)
+lengths = {"before": len(rows)}
+seen_gradients = []
+with joiner.join_uneven_inputs([net], even_batches=False):
+    lengths["inside"] = len(rows)
+    for x, y in rows:
+        joiner.backward(nn.functional.mse_loss(net(x), y))
+        seen_gradients.append([p.grad.clone() for p in net.parameters()])
+        opt.step()
+        opt.zero_grad()
+lengths["after"] = len(rows)
+expected_gradients, expected = join_reference(*uneven.tensors, n, lr=0.1)
+record["join"] = {
+    "lengths": lengths,
+    "steps": len(seen_gradients),
+    "max_grad_diff": max(
+        (a - b).abs().max().item()
+        for step, grads in enumerate(seen_gradients)
+        for a, b in zip(grads, expected_gradients[step])
+    ),
+    "max_param_diff": max(
+        (a - b).abs().max().item()
+        for a, b in zip(joiner.unwrap_model(net).parameters(), expected.parameters())
+    ),
+}
+refusals = {}
+for name, make in (
+    ("zero3", lambda: Accelerator(cpu=True, parallelism="zero3")),
+    ("accumulation", lambda: Accelerator(cpu=True, gradient_accumulation_steps=2)),
+):
+    refuser = make()
+    model = refuser.prepare(make_model())
+    try:
+        with refuser.join_uneven_inputs([model], even_batches=False):
+            refusals[name] = ""
+    except ValueError as error:
+        refusals[name] = str(error)
+with joiner.join_uneven_inputs([net]):  # even batches: nothing to join
+    refusals["even"] = ""
+record["join"]["refusals"] = refusals
 
 rank = accelerator.process_index
 # accelerator.save: the main process writes, whoever calls (here: every process, each its own value)

@@ -1,0 +1,112 @@
+"""Training on uneven inputs: torch's Join over DDP models, behind Accelerate's `join_uneven_inputs`.
+
+With even_batches=False a prepared loader tops up nothing, so when the data does not divide evenly
+some processes get one batch fewer. A process that has run out would leave the others waiting in
+DDP's gradient all-reduce; inside `torch.distributed.algorithms.join.Join` it instead shadows their
+collectives until every process has run out: DDP's join hook all-reduces zeros in place of its
+gradients (and takes part in the buffers' broadcast), and at the end the parameters of the last
+process to join are broadcast to all. Each step's gradient is then the sum of the gradients of the
+processes that still had a batch, divided by the number of processes (DDP's default,
+divide_by_initial_world_size), as torch documents for Join.
+
+Join knows only its joinables' own collectives. So it needs DDP (parallelism='ddp'): FSDP2's
+all-gathers and reduce-scatters (ZeRO-2/3, HSDP, data parallelism beside tensor or pipeline
+parallelism) have no join hook, and ZeRO-1's optimizer step broadcasts shards every window. And it
+cannot shadow what the loop adds: a window closed by the loader's end while the others keep
+accumulating, or any collective the script calls (gather, reduce, backward(num_items=...)).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Iterator, Sequence
+from typing import TYPE_CHECKING
+
+from torch.distributed.algorithms.join import Join, Joinable
+from torch.utils.data import DataLoader
+
+from ..data import BatchSamplerShard, DataLoaderDispatcher
+from ..data.loader import find_in_chain
+from .apply import data_parallel_engine
+
+if TYPE_CHECKING:
+    from ..accelerator import Accelerator
+
+logger = logging.getLogger("unison")
+
+
+@contextlib.contextmanager
+def join_uneven_inputs(
+    accelerator: Accelerator, joinables: Sequence[Joinable], even_batches: bool | None = None
+) -> Iterator[None]:
+    """Join over `joinables` while the prepared loaders run with `even_batches` (None: the Accelerator's).
+
+    As in Accelerate, Join is enabled only when the batches are uneven (even_batches False), and the
+    loaders' setting is restored at the end. One process, or layouts whose processes all read the same
+    batches, have nothing to join. Uneven batches under a layout Join cannot shadow are refused with a
+    ValueError before anything runs, rather than left to hang in the first collective.
+    """
+    layout = accelerator._layout_needed("join_uneven_inputs()")
+    even = accelerator.even_batches if even_batches is None else even_batches
+    if layout.dp_size == 1:  # every process reads the same batches (or there is one process)
+        yield
+        return
+    if not even:
+        _check_joinable(accelerator, joinables)
+    with _loaders_even_batches(accelerator._dataloaders, even_batches):
+        with Join(list(joinables), enable=not even, throw_on_early_termination=False):
+            yield
+
+
+def _check_joinable(accelerator: Accelerator, joinables: Sequence[Joinable]) -> None:
+    layout = accelerator.parallelism
+    if data_parallel_engine(layout) != "ddp" or layout.zero_stage == 1:
+        what = "ZeRO-1's sharded optimizer step" if layout.zero_stage == 1 else "FSDP2's collectives"
+        raise ValueError(
+            f"join_uneven_inputs with uneven batches (even_batches=False) under {layout.describe()}: "
+            f"torch's Join shadows DDP's gradient all-reduce for a process that has run out of batches, "
+            f"not {what}, so the other processes would wait for ever. Use parallelism='ddp', or keep "
+            "even_batches=True (the last round topped up; gather_for_metrics drops the top-up)."
+        )
+    plugin = accelerator.gradient_accumulation_plugin
+    if accelerator.gradient_accumulation_steps > 1 and plugin.sync_with_dataloader:
+        raise ValueError(
+            f"join_uneven_inputs with uneven batches and gradient_accumulation_steps="
+            f"{accelerator.gradient_accumulation_steps}: a loader's last batch closes its window "
+            "(sync_with_dataloader=True), so a process with fewer batches would all-reduce while the "
+            "others still accumulate. Pass GradientAccumulationPlugin(num_steps=..., "
+            "sync_with_dataloader=False) to count windows alike on every process, or keep even_batches=True."
+        )
+    if not joinables:
+        raise ValueError("join_uneven_inputs needs the prepared DDP models to join, e.g. [model].")
+    for joinable in joinables:
+        if not isinstance(joinable, Joinable):
+            raise TypeError(
+                f"join_uneven_inputs got a {type(joinable).__qualname__}, which torch's Join cannot shadow "
+                "(it is not a torch.distributed.algorithms.Joinable): pass the models prepare() returned, "
+                "which are DistributedDataParallel under parallelism='ddp'."
+            )
+
+
+@contextlib.contextmanager
+def _loaders_even_batches(loaders: Sequence[DataLoader], even_batches: bool | None) -> Iterator[None]:
+    """Set even_batches on the prepared loaders for the duration (None: leave them), then restore it."""
+    holders = []
+    for loader in loaders if even_batches is not None else ():
+        dispatched = isinstance(loader, DataLoaderDispatcher)
+        holder = loader if dispatched else find_in_chain(loader, BatchSamplerShard)
+        if holder is None:  # an iterable dataset read in shards: its last round is always topped up
+            if not even_batches:
+                logger.warning(
+                    "join_uneven_inputs(even_batches=False) leaves a loader over an IterableDataset read in "
+                    "shards even: every process reads the stream, and its last round is always topped up."
+                )
+            continue
+        holders.append((holder, holder.even_batches))
+        holder.even_batches = even_batches
+    try:
+        yield
+    finally:
+        for holder, value in holders:
+            holder.even_batches = value
