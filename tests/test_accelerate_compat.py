@@ -266,3 +266,37 @@ def test_join_uneven_inputs_on_one_process_has_nothing_to_join():
     with accelerator.join_uneven_inputs([model], even_batches=False):  # not a Joinable here: no Join
         accelerator.backward(model(torch.ones(1, 2)).sum())
     assert model.weight.grad is not None
+
+
+def test_profile_writes_one_chrome_trace_per_process(records):
+    names = [f"profile_{rank}.json" for rank in range(len(records))]
+    for record in records:
+        assert record["profile"]["files"] == names  # all written before any process went on
+        assert {"aten::addmm", "aten::mse_loss"} <= set(record["profile"]["ops"]), record["profile"]["ops"]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_profile_with_the_handlers_options_or_its_own(tmp_path):
+    handler = unison.ProfileKwargs(
+        activities=["cpu"], record_shapes=True, output_trace_dir=str(tmp_path / "a")
+    )
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[handler])
+    assert accelerator.profile_handler is handler and unison.utils.ProfileKwargs is unison.ProfileKwargs
+    model = accelerator.prepare(torch.nn.Linear(4, 2))
+    with accelerator.profile() as prof:
+        accelerator.backward(model(torch.ones(3, 4)).sum())
+    trace = json.loads((tmp_path / "a" / "profile_0.json").read_text())
+    ops = [event for event in trace["traceEvents"] if event.get("name") == "aten::addmm"]
+    assert ops and "Input Dims" in ops[0]["args"]  # record_shapes reached torch
+    assert any(row.key == "aten::addmm" for row in prof.key_averages())
+    cycles = []
+    scheduled = unison.ProfileKwargs(
+        schedule_option={"wait": 1, "warmup": 1, "active": 2}, on_trace_ready=cycles.append
+    )
+    with accelerator.profile(scheduled) as prof:  # the argument wins over the Accelerator's handler
+        for _ in range(4):
+            model(torch.ones(1, 4))
+            prof.step()
+    assert len(cycles) == 1 and sorted(path.name for path in tmp_path.iterdir()) == ["a"]
+    with pytest.raises(ValueError, match=r"\['gpu'\] unknown; choose from \['cpu', 'cuda'"):
+        unison.ProfileKwargs(activities=["cpu", "gpu"])

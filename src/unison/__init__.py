@@ -20,6 +20,7 @@ from .kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
 )
 from .notebook import notebook_launcher
 from .ops import (
@@ -61,6 +62,7 @@ __all__ = [
     "LoggerType",
     "ParallelismConfig",
     "PartialState",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "__version__",
     "broadcast",

@@ -40,6 +40,7 @@ from .kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
     check_process_group_kwargs,
     sort_kwargs_handlers,
 )
@@ -60,6 +61,7 @@ from .parallel.pipeline import PipelineModel
 from .parallel.ranks import LayoutProperties
 from .planner import Plan
 from .precision import PrecisionPolicy
+from .profiling import profile
 from .state import AcceleratorState, DistributedType, GradientState
 from .tracking.base import GeneralTracker, LoggerType, resolve_log_with
 from .tracking.methods import TrackingMethods
@@ -140,6 +142,7 @@ class Accelerator(
         ).changed_kwargs()
         scaler_kwargs = handlers.get(GradScalerKwargs, GradScalerKwargs()).changed_kwargs()
         autocast_kwargs = handlers.get(AutocastKwargs, AutocastKwargs()).changed_kwargs()
+        self.profile_handler: ProfileKwargs | None = handlers.get(ProfileKwargs)
         self.precision = PrecisionPolicy(
             self.state.mixed_precision, self.device, scaler_kwargs, autocast_kwargs
         )
@@ -512,6 +515,12 @@ class Accelerator(
         """torch's Join over the DDP models while the prepared loaders run with `even_batches`, so
         processes with fewer batches do not hang the others (Accelerate's; see parallel/join.py)."""
         return join_uneven_inputs(self, joinables, even_batches)
+
+    def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
+        """torch.profiler over the block, with `profile_handler` (default: the ProfileKwargs given in
+        kwargs_handlers); yields the profiler. With output_trace_dir every process writes its Chrome trace
+        there, so every process must enter it (see profiling.py)."""
+        return profile(profile_handler or self.profile_handler or ProfileKwargs())
 
     def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
         """The user's module inside the wrappers prepare() added (and torch.compile's).

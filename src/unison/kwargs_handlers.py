@@ -7,9 +7,12 @@ options a user changed; the rest keep torch's own defaults.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
+
+import torch
 
 from .parallel.comm_hooks import DDPCommunicationHookType, check_hook_options
 
@@ -105,7 +108,68 @@ def check_process_group_kwargs(kwargs: InitProcessGroupKwargs | None, backend: s
         )
 
 
-KWARGS_HANDLERS = (AutocastKwargs, DistributedDataParallelKwargs, GradScalerKwargs, InitProcessGroupKwargs)
+_PROFILER_ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")  # Accelerate's names, torch's ProfilerActivity
+
+
+@dataclass
+class ProfileKwargs(_KwargsHandler):
+    """Options for torch.profiler.profile, used by `Accelerator.profile()` (Accelerate's names and defaults).
+
+    activities: which of "cpu", "cuda", "xpu", "mtia", "hpu" to record (None: torch's default, the CPU and
+        the GPU when there is one); a name this torch has no ProfilerActivity for is refused here.
+    schedule_option: torch.profiler.schedule's arguments (wait, warmup, active, repeat, skip_first); the loop
+        then calls `prof.step()` each step, and `on_trace_ready(prof)` receives each recorded cycle (e.g.
+        torch.profiler.tensorboard_trace_handler(dir)).
+    record_shapes, profile_memory, with_stack, with_flops, with_modules: torch.profiler.profile's.
+    output_trace_dir: at the end of profile(), each process writes the Chrome trace of what the profiler
+        holds then (with a schedule: the cycle in progress) to output_trace_dir/profile_<process index>.json,
+        Accelerate's file name; None writes nothing.
+    """
+
+    activities: list[str] | None = None
+    schedule_option: dict[str, int] | None = None
+    on_trace_ready: Callable | None = None
+    record_shapes: bool = False
+    profile_memory: bool = False
+    with_stack: bool = False
+    with_flops: bool = False
+    with_modules: bool = False
+    output_trace_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        kinds = torch.profiler.ProfilerActivity
+        known = [name for name in _PROFILER_ACTIVITIES if hasattr(kinds, name.upper())]
+        unknown = [name for name in self.activities or () if name not in known]
+        if unknown:
+            raise ValueError(
+                f"ProfileKwargs(activities={self.activities!r}): {unknown} unknown; choose from {known}."
+            )
+
+    def build(self) -> torch.profiler.profile:
+        """A torch.profiler.profile with these options, not started (enter it to profile)."""
+        activities = None
+        if self.activities is not None:
+            activities = [getattr(torch.profiler.ProfilerActivity, name.upper()) for name in self.activities]
+        schedule = None if self.schedule_option is None else torch.profiler.schedule(**self.schedule_option)
+        return torch.profiler.profile(
+            activities=activities,
+            schedule=schedule,
+            on_trace_ready=self.on_trace_ready,
+            record_shapes=self.record_shapes,
+            profile_memory=self.profile_memory,
+            with_stack=self.with_stack,
+            with_flops=self.with_flops,
+            with_modules=self.with_modules,
+        )
+
+
+KWARGS_HANDLERS = (
+    AutocastKwargs,
+    DistributedDataParallelKwargs,
+    GradScalerKwargs,
+    InitProcessGroupKwargs,
+    ProfileKwargs,
+)
 
 
 def sort_kwargs_handlers(handlers: list | tuple | None) -> dict[type, _KwargsHandler]:

@@ -9,6 +9,7 @@ from .kwargs_handlers import (
     DistributedDataParallelKwargs,
     GradScalerKwargs,
     InitProcessGroupKwargs,
+    ProfileKwargs,
 )
 from .ops import (
     broadcast,
@@ -38,6 +39,7 @@ __all__ = [
     "InitProcessGroupKwargs",
     "LoggerType",
     "ParallelismConfig",
+    "ProfileKwargs",
     "ProjectConfiguration",
     "broadcast",
     "broadcast_object_list",

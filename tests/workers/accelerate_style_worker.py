@@ -13,6 +13,8 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
   model with one more parameter under ZeRO-3 and DDP, and back (see strict_loads below);
 - "join": join_uneven_inputs over a DDP model with even_batches=False and 2n + 1 batches, against a
   one-process reference of what torch's Join computes; and the layouts it refuses;
+- "profile": the trace files every process sees after profile() with output_trace_dir, and the aten ops
+  of its own trace;
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
 """
 
@@ -33,6 +35,7 @@ from unison.utils import (
     DistributedDataParallelKwargs,
     DistributedType,
     GradientAccumulationPlugin,
+    ProfileKwargs,
     find_executable_batch_size,
     set_seed,
 )
@@ -304,6 +307,22 @@ for name, make in (
 with joiner.join_uneven_inputs([net]):  # even batches: nothing to join
     refusals["even"] = ""
 record["join"]["refusals"] = refusals
+
+# profile(): each process writes its Chrome trace, named by its process index, and finds all of them after.
+traces = out_dir / "traces"
+profiled = Accelerator(
+    cpu=True, kwargs_handlers=[ProfileKwargs(activities=["cpu"], output_trace_dir=str(traces))]
+)
+with profiled.profile():
+    for _ in range(2):
+        joiner.backward(nn.functional.mse_loss(net(uneven.tensors[0][:2]), uneven.tensors[1][:2]))
+own = json.loads((traces / f"profile_{profiled.process_index}.json").read_text())
+record["profile"] = {
+    "files": sorted(path.name for path in traces.iterdir()),
+    "ops": sorted(
+        {event["name"] for event in own["traceEvents"] if event.get("name", "").startswith("aten::")}
+    ),
+}
 
 rank = accelerator.process_index
 # accelerator.save: the main process writes, whoever calls (here: every process, each its own value)
