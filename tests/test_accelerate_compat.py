@@ -300,3 +300,37 @@ def test_profile_with_the_handlers_options_or_its_own(tmp_path):
     assert len(cycles) == 1 and sorted(path.name for path in tmp_path.iterdir()) == ["a"]
     with pytest.raises(ValueError, match=r"\['gpu'\] unknown; choose from \['cpu', 'cuda'"):
         unison.ProfileKwargs(activities=["cpu", "gpu"])
+
+
+def test_trigger_sync_in_backward_averages_what_no_sync_kept_local(records):
+    for record in records:
+        synced = record["sync_in_backward"]
+        assert synced["first_local"] == 0.0  # the backward outside the trigger: this process's own
+        assert synced["second_mean"] < 1e-6 and synced["armed_mean"] < 1e-6, synced  # the processes' mean
+        assert synced["unwrap_compiled"] == [True, True, "DistributedDataParallel"]
+        assert synced["should_save_model"] is True
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_a_model_compiled_before_prepare_trains_and_unwraps_as_in_accelerate(tmp_path):
+    torch.manual_seed(0)
+    user, x = torch.nn.Linear(3, 2), torch.randn(4, 3)
+    reference = torch.nn.Linear(3, 2)
+    reference.load_state_dict(user.state_dict())
+    compiled = torch.compile(user, backend="eager")  # dynamo's tracing, no C++ toolchain: about 1 s
+    accelerator = Accelerator(cpu=True, project_dir=tmp_path)
+    model, optimizer = accelerator.prepare(compiled, torch.optim.SGD(compiled.parameters(), lr=0.1))
+    assert accelerator.unwrap_model(model) is compiled
+    assert accelerator.unwrap_model(model, keep_torch_compile=False) is user
+    accelerator.backward(model(x).sum())
+    optimizer.step()  # prepare() kept the optimizer on the compiled model's parameters
+    reference(x).sum().backward()
+    with torch.no_grad():
+        for p in reference.parameters():
+            p -= 0.1 * p.grad
+    assert all(torch.allclose(a, b) for a, b in zip(user.parameters(), reference.parameters()))
+    assert set(accelerator.get_state_dict(model)) == {"weight", "bias"}  # the user's keys, no _orig_mod.
+    assert accelerator.save_iteration == 1 and accelerator.save_state().name == "checkpoint_1"
+    assert accelerator.should_save_model
+    with accelerator.trigger_sync_in_backward(model), accelerator.maybe_context_parallel(buffers=[x]):
+        accelerator.backward(model(x).sum())  # one process: nothing to synchronise or shard

@@ -72,3 +72,34 @@ def test_foreach_mul_by_a_tensor_scale():
     grads = [torch.ones(3), torch.full((2,), 2.0)]
     torch._foreach_mul_(grads, torch.tensor(0.5))
     assert grads[0].tolist() == [0.5] * 3 and grads[1].tolist() == [1.0, 1.0]
+
+
+def test_compiled_module_keeps_the_original_as_orig_mod():
+    """unison.parallel.ddp.unwrap / wrapper_prefix find the user's module inside torch.compile's
+    OptimizedModule through its `_orig_mod` attribute (the key prefix torch.compile adds)."""
+    user = torch.nn.Linear(2, 2)
+    compiled = torch.compile(user, backend="eager")
+    assert compiled._orig_mod is user
+    assert set(compiled.state_dict()) == {"_orig_mod.weight", "_orig_mod.bias"}
+
+
+def test_ddp_says_whether_its_forward_armed_the_backward_all_reduce():
+    """unison.parallel.ddp.trigger_sync_in_backward reads DDP's `require_forward_param_sync` (undocumented):
+    True after a forward outside no_sync (the backward all-reduces), False after one inside."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+        ddp = DistributedDataParallel(torch.nn.Linear(2, 2))
+        ddp(torch.ones(1, 2))
+        armed = ddp.require_forward_param_sync
+        with ddp.no_sync():
+            ddp(torch.ones(1, 2))
+        assert armed is True and ddp.require_forward_param_sync is False
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

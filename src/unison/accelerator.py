@@ -394,7 +394,7 @@ class Accelerator(
             device_placement = self.device_placement
         if device_placement:
             model = model.to(self.device)
-        before = dict(model.named_parameters(remove_duplicate=False))
+        before = dict(unwrap(model).named_parameters(remove_duplicate=False))  # names as the user's module's
         prepared = parallelize(model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs)
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
@@ -522,17 +522,19 @@ class Accelerator(
         there, so every process must enter it (see profiling.py)."""
         return profile(profile_handler or self.profile_handler or ProfileKwargs())
 
-    def unwrap_model(self, model: torch.nn.Module, keep_fp32_wrapper: bool = True) -> torch.nn.Module:
-        """The user's module inside the wrappers prepare() added (and torch.compile's).
+    def unwrap_model(
+        self, model: torch.nn.Module, keep_fp32_wrapper: bool = True, keep_torch_compile: bool = True
+    ) -> torch.nn.Module:
+        """The user's module inside the wrappers prepare() added; if the user compiled it before prepare(),
+        its torch.compile OptimizedModule, unless keep_torch_compile=False (as in Accelerate).
 
         Under mixed precision its forward still runs in autocast; keep_fp32_wrapper=False removes that
         from the module for good (as in Accelerate), e.g. before exporting it.
         """
-        user_module = unwrap(model)
         if not keep_fp32_wrapper:
-            for handle in self._autocast_hooks.pop(id(user_module), []):
+            for handle in self._autocast_hooks.pop(id(unwrap(model)), []):
                 handle.remove()
-        return user_module
+        return unwrap(model, keep_torch_compile)
 
     def free_memory(self, *objects: Any) -> list[None]:
         """Forget every prepared object (models, optimizers, schedulers, loaders) and the step counters,

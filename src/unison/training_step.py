@@ -20,7 +20,7 @@ import torch
 
 from .item_count import scale_gradients
 from .parallel.clipping import clip_grad_norm
-from .parallel.ddp import skip_gradient_sync
+from .parallel.ddp import skip_gradient_sync, trigger_sync_in_backward
 from .parallel.engines import is_dtensor
 from .parallel.mesh import data_parallel_mesh
 from .parallel.pipeline import PipelineModel
@@ -29,8 +29,9 @@ logger = logging.getLogger("unison")
 
 
 class TrainingStepMethods:
-    """accumulate / no_sync / backward / forward_backward / forward_loss / autocast /
-    unscale_gradients / clip_grad_norm_ / clip_grad_value_, and the sync_gradients they decide."""
+    """accumulate / no_sync / trigger_sync_in_backward / maybe_context_parallel / backward /
+    forward_backward / forward_loss / autocast / unscale_gradients / clip_grad_norm_ / clip_grad_value_,
+    and the sync_gradients they decide."""
 
     @property
     def sync_gradients(self) -> bool:
@@ -75,6 +76,23 @@ class TrainingStepMethods:
         """Accumulate local gradients without the all-reduce (DDP's no_sync) for the enclosed backward."""
         with skip_gradient_sync(model):
             yield
+
+    def trigger_sync_in_backward(self, model: torch.nn.Module) -> contextlib.AbstractContextManager:
+        """Average `model`'s gradients over the processes for a backward whose forward ran under no_sync
+        (Accelerate's; done with a public all-reduce rather than DDP's private reducer: parallel/ddp.py)."""
+        return trigger_sync_in_backward(model)
+
+    @contextlib.contextmanager
+    def maybe_context_parallel(
+        self,
+        buffers: list[torch.Tensor] | None = None,
+        buffer_seq_dims: list[int] | None = None,
+        no_restore_buffers: set[torch.Tensor] | None = None,
+    ) -> Iterator[None]:
+        """Accelerate's context for context parallelism, which shards `buffers` along their sequence
+        dimension when cp_size > 1. unison has no context-parallel dimension (cp_size must be 1), where
+        Accelerate's does nothing too: each process keeps whole sequences, and the block runs as it is."""
+        yield
 
     def backward(
         self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None, **kwargs

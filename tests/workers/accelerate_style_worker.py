@@ -15,6 +15,8 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
   one-process reference of what torch's Join computes; and the layouts it refuses;
 - "profile": the trace files every process sees after profile() with output_trace_dir, and the aten ops
   of its own trace;
+- "sync_in_backward": trigger_sync_in_backward after forwards under no_sync (the gradients' mean over the
+  processes), unwrap_model of a model compiled before prepare(), should_save_model;
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
 """
 
@@ -322,6 +324,54 @@ record["profile"] = {
     "ops": sorted(
         {event["name"] for event in own["traceEvents"] if event.get("name", "").startswith("aten::")}
     ),
+}
+
+# trigger_sync_in_backward: two forwards under no_sync, the first backward local, the second synchronised;
+# unwrap_model of a model compiled before prepare() (DDP around torch.compile's OptimizedModule).
+synced = Accelerator(cpu=True)
+twin = synced.prepare(make_model())
+inputs = [
+    torch.randn(4, 6, generator=torch.Generator().manual_seed(20 + 2 * r + i))
+    for r in range(n)
+    for i in (0, 1)
+]
+mine = inputs[2 * synced.process_index : 2 * synced.process_index + 2]
+with synced.no_sync(twin):
+    loss_a, loss_b = (twin(x).pow(2).mean() for x in mine)
+synced.backward(loss_a)
+after_a = [p.grad.clone() for p in twin.parameters()]
+with synced.trigger_sync_in_backward(twin):
+    synced.backward(loss_b)
+after_b = [p.grad.clone() for p in twin.parameters()]
+twin.zero_grad()
+with synced.trigger_sync_in_backward(twin):  # a forward outside no_sync: DDP's own all-reduce, nothing more
+    synced.backward(twin(mine[0]).pow(2).mean())
+armed = [p.grad.clone() for p in twin.parameters()]
+
+
+def local_gradients(batches: list[torch.Tensor]) -> list[torch.Tensor]:
+    model = make_model()
+    for x in batches:
+        model(x).pow(2).mean().backward()
+    return [p.grad for p in model.parameters()]
+
+
+mean = [sum(grads) / n for grads in zip(*(local_gradients(inputs[2 * r : 2 * r + 2]) for r in range(n)))]
+first_mean = [
+    sum(grads) / n for grads in zip(*(local_gradients(inputs[2 * r : 2 * r + 1]) for r in range(n)))
+]
+compiled_user = torch.compile(make_model(), backend="eager")
+compiled_prepared = synced.prepare(compiled_user)
+record["sync_in_backward"] = {
+    "first_local": max((a - b).abs().max().item() for a, b in zip(after_a, local_gradients(mine[:1]))),
+    "second_mean": max((a - b).abs().max().item() for a, b in zip(after_b, mean)),
+    "armed_mean": max((a - b).abs().max().item() for a, b in zip(armed, first_mean)),
+    "unwrap_compiled": [
+        synced.unwrap_model(compiled_prepared) is compiled_user,
+        synced.unwrap_model(compiled_prepared, keep_torch_compile=False) is compiled_user._orig_mod,
+        type(compiled_prepared).__name__,
+    ],
+    "should_save_model": synced.should_save_model,
 }
 
 rank = accelerator.process_index

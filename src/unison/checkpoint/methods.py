@@ -30,6 +30,23 @@ class CheckpointMethods:
         """Real optimizer steps taken so far (micro-steps and fp16-skipped steps not counted)."""
         return max((optimizer.num_steps_taken for optimizer in self._optimizers), default=0)
 
+    @property
+    def save_iteration(self) -> int:
+        """The number the next save_state() without a directory puts in its name: checkpoint_<n>.
+
+        Accelerate counts save_state calls (ProjectConfiguration.iteration); unison names checkpoints by
+        optimizer step, so a resumed run names its saves on from the step it loaded, and this is
+        `optimizer_steps`. Unlike Accelerate's, checkpoint_<save_iteration - 1> is not the last save:
+        save_state() returns that one's path, and checkpoints()[-1] is the newest.
+        """
+        return self.optimizer_steps
+
+    @property
+    def should_save_model(self) -> bool:
+        """True on every process, as Accelerate 1.15 answers in every layout: save_model and get_state_dict
+        are collective (every process takes part, the main process writes), so every process calls them."""
+        return True
+
     def register_for_checkpointing(self, *objects: Any) -> None:
         """Include `objects` (anything with state_dict/load_state_dict) in save_state/load_state."""
         for obj in objects:

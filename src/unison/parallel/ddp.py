@@ -84,12 +84,62 @@ def wrapper_prefix(model: torch.nn.Module) -> str:
             return prefix
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The user's module inside any wrapper unison (or torch.compile) put around it."""
+def unwrap(model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn.Module:
+    """The user's module inside any wrapper unison (or torch.compile) put around it.
+
+    keep_torch_compile: the OptimizedModule of torch.compile(the user's module) instead, as Accelerate's
+    unwrap_model gives by default: the user compiled the model before prepare() (unison compiles
+    nothing). A compiled wrapper (torch.compile of what prepare() returned) is unwrapped all the same:
+    it is not the user's module compiled.
+    """
+    compiled = None
     while True:
         if isinstance(model, DistributedDataParallel | torch.nn.DataParallel):
             model = model.module
         elif hasattr(model, "_orig_mod"):  # torch.compile's OptimizedModule
-            model = model._orig_mod
+            compiled, model = model, model._orig_mod
         else:
-            return model
+            break
+    return compiled if keep_torch_compile and compiled is not None and compiled._orig_mod is model else model
+
+
+@contextlib.contextmanager
+def trigger_sync_in_backward(model: torch.nn.Module) -> Iterator[None]:
+    """Average the gradients of a DDP `model` over its processes at the end of the block, for a backward
+    whose forward ran under no_sync (Accelerate's trigger_sync_in_backward).
+
+    DDP decides in forward whether the next backward all-reduces, so a forward under no_sync leaves its
+    backward local wherever that backward runs. Accelerate re-arms DDP's private reducer
+    (`reducer.prepare_for_backward`); here the block's end all-reduces the gradients with
+    torch.distributed.all_reduce over DDP's group instead: the mean over the processes of each one's
+    accumulated gradient, what DDP's all-reduce gives (without a communication hook's compression). If
+    the block's forward ran outside no_sync (DDP's `require_forward_param_sync`, set by every forward, says
+    it armed its all-reduce), DDP averages in the backward and the block adds nothing. FSDP2 decides at
+    backward time, so a backward outside no_sync synchronises by itself; other models have no processes
+    to synchronise with: for both the block runs as it is.
+    """
+    armed = not isinstance(model, DistributedDataParallel) or model.require_forward_param_sync
+    yield
+    if not armed:
+        _average_gradients(model)
+
+
+def _average_gradients(model: DistributedDataParallel) -> None:
+    """The mean of each gradient over DDP's processes; a parameter without gradient here counts as zeros
+    where another process has one (DDP's rule for unused parameters), and stays without where none has."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    group, size = model.process_group, torch.distributed.get_world_size(model.process_group)
+    present = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=params[0].device)
+    torch.distributed.all_reduce(present, group=group)
+    grads = []
+    for p, anywhere in zip(params, present.tolist()):
+        if anywhere and p.grad is None:
+            p.grad = torch.zeros_like(p)
+        if anywhere:
+            grads.append(p.grad)
+    for dtype in {grad.dtype for grad in grads}:  # one all-reduce per dtype, of the gradients flattened
+        same = [grad for grad in grads if grad.dtype == dtype]
+        flat = torch.cat([grad.reshape(-1) for grad in same]).div_(size)
+        torch.distributed.all_reduce(flat, group=group)
+        for grad, piece in zip(same, flat.split([grad.numel() for grad in same])):
+            grad.copy_(piece.view_as(grad))
