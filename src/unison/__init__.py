@@ -35,6 +35,7 @@ from .ops import (
 )
 from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
+from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
 from .state import AcceleratorState, DistributedType, GradientState, PartialState
 from .tracking import GeneralTracker, LoggerType
@@ -49,11 +50,13 @@ __all__ = [
     "CheckpointError",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "DataLoaderDispatcher",
     "DataLoaderShard",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "GeneralTracker",
+    "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "GradientState",

@@ -60,6 +60,7 @@ from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
 from .parallel.ranks import LayoutProperties
 from .planner import Plan
+from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, resolve_plugins
 from .precision import PrecisionPolicy
 from .profiling import profile
 from .state import AcceleratorState, DistributedType, GradientState
@@ -109,7 +110,17 @@ class Accelerator(
         parallelism: ParallelismConfig | str | None = None,
         gradient_accumulation_plugin: GradientAccumulationPlugin | None = None,
         log_with: str | LoggerType | GeneralTracker | list | None = None,
+        fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
+        deepspeed_plugin: DeepSpeedPlugin | None = None,
+        deepspeed_plugins: Any = None,
     ):
+        # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
+        parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
+            (fsdp_plugin, deepspeed_plugin, deepspeed_plugins),
+            parallelism,
+            mixed_precision,
+            gradient_accumulation_steps,
+        )
         handlers = sort_kwargs_handlers(kwargs_handlers)
         self.log_with = resolve_log_with(log_with)  # a tracker that is unknown or not installed: now
         self.trackers: list[GeneralTracker] = []

@@ -12,6 +12,7 @@ configured without touching the script.
 | UNISON_CPU                           | cpu                           | 1/true or 0/false |
 | UNISON_TIMEOUT                       | timeout (seconds)             | number > 0        |
 | UNISON_PARALLELISM                   | parallelism                   | ddp, zeroK, k=v   |
+| UNISON_PLUGIN                        | fsdp_plugin / deepspeed_plugin | {"fsdp": {...}}  |
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ GRADIENT_ACCUMULATION_STEPS = "UNISON_GRADIENT_ACCUMULATION_STEPS"
 CPU = "UNISON_CPU"
 TIMEOUT = "UNISON_TIMEOUT"
 PARALLELISM = "UNISON_PARALLELISM"
+PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}, from Accelerate's flags
 
-ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM)
+ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM, PLUGIN)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

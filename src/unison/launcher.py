@@ -38,6 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from . import launch_env
 from .parallel.config import ParallelismConfig, is_auto
+from .plugins import read_plugin
 from .state import validate_mixed_precision
 
 logger = logging.getLogger("unison")
@@ -84,6 +85,7 @@ class LaunchOptions:
     gradient_accumulation_steps: int | None = None
     timeout: float | None = None
     parallelism: str | None = None
+    plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
 
 
 def usable_cpu_count() -> int:
@@ -165,6 +167,8 @@ def validate(options: LaunchOptions) -> int:
     nproc_per_node = resolve_nproc_per_node(_per_node(options, min_nodes, max_nodes), options.cpu)
     if options.parallelism is not None:
         _validate_parallelism(options.parallelism, nproc_per_node, min_nodes, max_nodes)
+    if options.plugin is not None:
+        _validate_plugin(options.plugin, nproc_per_node, min_nodes, max_nodes)
     return nproc_per_node
 
 
@@ -218,6 +222,16 @@ def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int,
             config.validate(nproc_per_node * max_nodes)
     except ValueError as error:
         raise LaunchError(f"--parallelism: {error}") from None
+
+
+def _validate_plugin(plugin: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
+    """Read the plugin as the workers will, and with a fixed node count check the layout it names."""
+    try:
+        layout = read_plugin(plugin).layout(nproc_per_node).parallelism
+        if min_nodes == max_nodes:
+            layout.validate(nproc_per_node * max_nodes)
+    except (ValueError, TypeError) as error:
+        raise LaunchError(str(error)) from None
 
 
 def _refuse_flags_without_effect(options: LaunchOptions, max_nodes: int) -> None:
@@ -292,6 +306,7 @@ def worker_environment(
     gradient_accumulation_steps: int | None = None,
     timeout: float | None = None,
     parallelism: str | None = None,
+    plugin: str | None = None,
 ) -> dict[str, str]:
     """Variables exported to the workers (and torch's elastic agent) for one launch.
 
@@ -311,6 +326,8 @@ def worker_environment(
         if not is_auto(parallelism):
             ParallelismConfig.from_string(parallelism)  # a wrong string fails here, not in N workers
         env[launch_env.PARALLELISM] = parallelism.strip()
+    if plugin is not None:
+        env[launch_env.PLUGIN] = plugin
     if "OMP_NUM_THREADS" not in os.environ:
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
         env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
@@ -382,6 +399,7 @@ def launch(options: LaunchOptions) -> int:
             gradient_accumulation_steps=options.gradient_accumulation_steps,
             timeout=options.timeout,
             parallelism=options.parallelism,
+            plugin=options.plugin,
         )
         with exported(env), _quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))

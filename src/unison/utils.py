@@ -23,6 +23,7 @@ from .ops import (
 )
 from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
+from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
 from .state import DistributedType
 from .tracking import GeneralTracker, LoggerType
@@ -31,9 +32,11 @@ __all__ = [
     "AutocastKwargs",
     "DDPCommunicationHookType",
     "DataLoaderConfiguration",
+    "DeepSpeedPlugin",
     "DistributedDataParallelKwargs",
     "DistributedType",
     "GeneralTracker",
+    "FullyShardedDataParallelPlugin",
     "GradScalerKwargs",
     "GradientAccumulationPlugin",
     "InitProcessGroupKwargs",

@@ -7,6 +7,7 @@ import argparse
 from .. import launch_env
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
 from ..state import DEFAULT_TIMEOUT_SECONDS
+from .plugin_flags import add_plugin_flags, plugin_from_flags
 
 DESCRIPTION = """\
 Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
@@ -21,6 +22,7 @@ _VARIABLES = [
     (f"{launch_env.GRADIENT_ACCUMULATION_STEPS}=K", "--gradient-accumulation-steps"),
     (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
     (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
+    (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
 
@@ -137,6 +139,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="ddp (default), zero1, zero2, zero3, or FIELD=VALUE pairs of ParallelismConfig, e.g. "
         "dp_shard_size=2,tp_size=2",
     )
+    add_plugin_flags(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
     )
@@ -175,6 +178,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         timeout=args.timeout,
         parallelism=args.parallelism,
+        plugin=plugin_from_flags(args),
     )
 
 

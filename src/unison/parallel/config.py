@@ -56,7 +56,9 @@ class ParallelismConfig:
     tp_plan: module name (pattern) -> parallel style, or None for the built-in plans.
     pp_split_points: module names where a new pipeline stage begins, or None to balance by parameters.
     zero_blocks: qualified name of the block list that ZeRO-2/3 shard one block at a time (e.g.
-        "transformer.h"), or None to use the model's largest ModuleList/Sequential of one class.
+        "transformer.h"), or block class names (e.g. "GPT2Block,LlamaDecoderLayer": every module of those
+        classes, Accelerate's transformer_cls_names_to_wrap), or None to use the model's largest
+        ModuleList/Sequential of one class.
     sequence_parallel: with tensor parallel, also split norms and the residual stream over the sequence
         (activation memory / tp_size there; each all-reduce becomes a reduce-scatter + all-gather).
     loss_parallel: with tensor parallel, compute the cross-entropy on vocabulary-sharded logits without
@@ -250,8 +252,8 @@ class ParallelismConfig:
         ):
             raise ValueError(
                 f"zero_blocks={self.zero_blocks!r} names the block list that ZeRO-2/3 shard block by block, "
-                f"but this layout is {self.describe()}: give a module name (e.g. 'transformer.h') with "
-                "zero_stage 2 or 3, or leave zero_blocks None."
+                f"but this layout is {self.describe()}: give a module or class name (e.g. 'transformer.h') "
+                "with zero_stage 2 or 3, or leave zero_blocks None."
             )
         if self.tp_plan is not None and self.sequence_parallel:
             raise ValueError(

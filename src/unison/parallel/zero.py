@@ -46,13 +46,19 @@ def resolve_blocks(model: nn.Module, blocks: Sequence[nn.Module] | str | None) -
         return list(found[1]) if found is not None else []
     if isinstance(blocks, str):
         try:
-            container = model.get_submodule(blocks)
-        except AttributeError as error:
+            return list(model.get_submodule(blocks).children())
+        except AttributeError:
+            pass
+        # Accelerate's transformer_cls_names_to_wrap: every module of these classes, in model order
+        classes = {name.strip() for name in blocks.split(",")}
+        matching = [m for m in model.modules() if type(m).__name__ in classes and m is not model]
+        if not matching:
             raise ValueError(
-                f"blocks={blocks!r}: the model has no submodule of that name. Give the qualified name "
-                "of the block list (e.g. 'transformer.h'), a list of modules, or None to find it."
-            ) from error
-        return list(container.children())
+                f"blocks={blocks!r}: the model has no submodule of that name and no module of a class so "
+                "named. Give the qualified name of the block list (e.g. 'transformer.h'), block class names "
+                "(e.g. 'GPT2Block,LlamaDecoderLayer'), a list of modules, or None to find it."
+            )
+        return matching
     modules = list(blocks)
     owned = {id(m) for m in model.modules()}
     foreign = [type(m).__name__ for m in modules if id(m) not in owned]
