@@ -1,0 +1,434 @@
+"""docs/migrating-from-accelerate.md tells the truth about the code.
+
+Every table row names Accelerate 1.15 names (first column) and a verdict (second column): rows marked
+`same` or `different` must exist in unison where the table says (Accelerator members, constructor
+arguments, state members, `unison` / `unison.utils` names, `unison launch` flags); rows marked
+`not applicable` or `not yet` must not, so the page is corrected when someone adds one. Every public
+name of unison's Accelerator, `unison` and `unison.utils` must appear on the page, and every name of
+the frozen Accelerate 1.15 inventory below must have a row, so neither side can drift silently. The
+page's Python example runs as written.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import re
+
+import pytest
+import torch
+from launching import REPO_ROOT
+
+import unison
+import unison.utils
+from unison import Accelerator, GradientState, PartialState
+from unison.commands.main import build_parser
+
+PAGE = REPO_ROOT / "docs" / "migrating-from-accelerate.md"
+VERDICTS = ("same", "different", "not applicable", "not yet")
+PROVIDED = ("same", "different")
+
+# -- Accelerate 1.15's surface, frozen from the wheel (accelerate-1.15.0-py3-none-any.whl) ----------------
+# Accelerator: its public methods and properties, then the public attributes its __init__ sets.
+ACCELERATE_ACCELERATOR_MEMBERS = """
+    deepspeed_plugin use_distributed multi_device distributed_type num_processes process_index
+    local_process_index device split_batches dispatch_batches even_batches use_seedable_sampler
+    non_blocking use_stateful_dataloader project_dir logging_dir save_iteration is_main_process
+    is_local_main_process is_last_process mixed_precision is_fsdp2 is_composable_parallelism_enabled
+    parallelism_config torch_device_mesh should_save_model tensor_parallel_rank
+    pipeline_parallel_rank context_parallel_rank data_parallel_rank data_parallel_shard_rank
+    split_between_processes on_main_process on_local_main_process on_last_process on_process
+    on_local_process main_process_first local_main_process_first no_sync trigger_sync_in_backward
+    sync_gradients gradient_accumulation_steps accumulate join_uneven_inputs print prepare
+    prepare_model deepspeed_ulysses_dl_adapter prepare_data_loader prepare_optimizer
+    prepare_scheduler backward set_trigger check_trigger unscale_gradients clip_grad_norm_
+    clip_grad_value_ gather gather_for_metrics reduce pad_across_processes unwrap_model
+    wait_for_everyone init_trackers get_tracker log end_training save save_model
+    register_save_state_pre_hook save_state register_load_state_pre_hook load_state free_memory
+    clear get_state_dict register_for_checkpointing maybe_context_parallel autocast profile
+    optimizer_step_was_skipped skip_first_batches verify_device_map lomo_backward fp8_backend
+""".split()
+ACCELERATE_ACCELERATOR_ATTRIBUTES = """
+    ao_recipe_handler autocast_handler dataloader_config ddp_handler deepspeed_engine_wrapped
+    delayed_fp8_autocast device_placement flag_tensor fp8_enabled fp8_recipe_handler gradient_state
+    has_fp8_handler has_lomo_optimizer init_handler log_with msamp_recipe_handler native_amp
+    profile_handler project_configuration rng_types scaler scaler_handler state step
+    step_scheduler_with_optimizer te_recipe_handler trackers
+""".split()
+ACCELERATE_ACCELERATOR_ARGUMENTS = """
+    device_placement split_batches mixed_precision gradient_accumulation_steps cpu dataloader_config
+    deepspeed_plugin fsdp_plugin torch_tp_plugin megatron_lm_plugin rng_types log_with project_dir
+    project_config gradient_accumulation_plugin step_scheduler_with_optimizer kwargs_handlers
+    dynamo_backend dynamo_plugin deepspeed_plugins parallelism_config
+""".split()
+ACCELERATE_STATE_MEMBERS = {
+    "PartialState": """
+        initialized use_distributed is_last_process is_main_process is_local_main_process
+        wait_for_everyone split_between_processes main_process_first local_main_process_first
+        on_main_process on_local_main_process on_last_process on_process on_local_process print
+        default_device set_device destroy_process_group backend debug device distributed_type
+        fork_launched local_process_index num_processes process_index
+    """.split(),
+    # its own members (the PartialState ones it forwards are covered by the row that says so)
+    "AcceleratorState": """
+        initialized mixed_precision distributed_type is_fsdp2 deepspeed_plugin get_deepspeed_plugin
+        select_deepspeed_plugin deepspeed_plugins device_mesh downcast_bfloat dynamo_plugin fsdp_plugin
+        megatron_lm_plugin parallelism_config torch_tp_plugin
+    """.split(),
+    "GradientState": """
+        num_steps adjust_scheduler sync_with_dataloader initialized end_of_dataloader remainder
+        is_xla_gradients_synced active_dataloader dataloader_references in_dataloader plugin_kwargs
+        sync_gradients
+    """.split(),
+}
+# `accelerate.utils.__all__`-equivalent: every public name accelerate/utils/__init__.py imports.
+ACCELERATE_UTILS = """
+    ParallelismConfig convert_model_to_fp8_ao filter_first_and_last_linear_layers has_ao_layers
+    MITA_PROFILING_AVAILABLE_PYTORCH_VERSION MODEL_NAME OPTIMIZER_NAME PROFILE_PATTERN_NAME
+    RNG_STATE_NAME SAFE_MODEL_NAME SAFE_WEIGHTS_INDEX_NAME SAFE_WEIGHTS_NAME
+    SAFE_WEIGHTS_PATTERN_NAME SAMPLER_NAME SCALER_NAME SCHEDULER_NAME
+    TORCH_DISTRIBUTED_OPERATION_TYPES TORCH_LAUNCH_PARAMS WEIGHTS_INDEX_NAME WEIGHTS_NAME
+    WEIGHTS_PATTERN_NAME XPU_PROFILING_AVAILABLE_PYTORCH_VERSION AORecipeKwargs AutocastKwargs
+    BnbQuantizationConfig ComputeEnvironment CustomDtype DataLoaderConfiguration
+    DDPCommunicationHookType DeepSpeedPlugin DeepSpeedSequenceParallelConfig
+    DistributedDataParallelKwargs DistributedType DynamoBackend FP8RecipeKwargs
+    FullyShardedDataParallelPlugin GradientAccumulationPlugin GradScalerKwargs
+    InitProcessGroupKwargs KwargsHandler LoggerType MegatronLMPlugin MSAMPRecipeKwargs PrecisionType
+    ProfileKwargs ProjectConfiguration RNGType SageMakerDistributedType TensorInformation
+    TERecipeKwargs TorchContextParallelConfig TorchDynamoPlugin TorchTensorParallelConfig
+    TorchTensorParallelPlugin add_model_config_to_megatron_parser are_libraries_initialized
+    check_cuda_fp8_capability check_cuda_p2p_ib_support clear_environment
+    convert_dict_to_env_variables get_cpu_distributed_information get_current_device_type
+    get_gpu_info get_int_from_env parse_choice_from_env parse_flag_from_env patch_environment
+    purge_accelerate_environment set_numa_affinity str_to_bool deepspeed_required
+    is_4bit_bnb_available is_8bit_bnb_available is_aim_available is_amdsmi_available
+    is_bf16_available is_bitsandbytes_multi_backend_available is_bnb_available is_boto3_available
+    is_clearml_available is_comet_ml_available is_cuda_available is_datasets_available
+    is_deepspeed_available is_dvclive_available is_fp8_available is_fp16_available is_habana_gaudi1
+    is_hpu_available is_import_timer_available is_lomo_available is_matplotlib_available
+    is_megatron_lm_available is_mlflow_available is_mlu_available is_mps_available
+    is_msamp_available is_musa_available is_neuron_available is_npu_available is_pandas_available
+    is_peft_available is_pippy_available is_pynvml_available is_pytest_available is_rich_available
+    is_rocm_available is_sagemaker_available is_schedulefree_available is_sdaa_available
+    is_swanlab_available is_tensorboard_available is_timm_available is_torch_xla_available
+    is_torchao_available is_torchdata_available is_torchdata_stateful_dataloader_available
+    is_torchvision_available is_trackio_available is_transformer_engine_available
+    is_transformer_engine_mxfp8_available is_transformers_available is_triton_available
+    is_wandb_available is_weights_only_available is_xccl_available is_xpu_available torchao_required
+    align_module_device calculate_maximum_sizes check_device_map check_tied_parameters_in_config
+    check_tied_parameters_on_same_device compute_module_sizes convert_file_size_to_int
+    dtype_byte_size find_tied_parameters get_balanced_memory get_grad_scaler get_max_layer_size
+    get_max_memory get_mixed_precision_context_manager has_offloaded_params id_tensor_storage
+    infer_auto_device_map is_peft_model load_checkpoint_in_model load_offloaded_weights
+    load_state_dict named_module_tensors retie_parameters set_module_tensor_to_device
+    OffloadedWeightsLoader PrefixedDataset extract_submodules_state_dict load_offloaded_weight
+    offload_state_dict offload_weight save_offload_index CannotPadNestedTensorWarning
+    GatheredParameters broadcast broadcast_object_list concatenate convert_outputs_to_fp32
+    convert_to_fp32 copy_tensor_to_devices find_batch_size find_device gather gather_object
+    get_data_structure honor_type ignorant_find_batch_size initialize_tensors is_namedtuple
+    is_tensor_information is_torch_tensor listify pad_across_processes pad_input_tensors
+    recursively_apply reduce send_to_device slice_tensors compare_versions is_torch_version
+    has_4bit_bnb_layers load_and_quantize_model disable_fsdp_ram_efficient_loading
+    enable_fsdp_ram_efficient_loading ensure_weights_retied fsdp2_apply_ac fsdp2_canonicalize_names
+    fsdp2_load_full_state_dict fsdp2_prepare_model fsdp2_switch_optimizer_parameters
+    get_fsdp2_grad_scaler load_fsdp_model load_fsdp_optimizer merge_fsdp_weights save_fsdp_model
+    save_fsdp_optimizer PrepareForLaunch prepare_deepspeed_cmd_env prepare_multi_gpu_env
+    prepare_sagemager_args_inputs prepare_simple_launcher_cmd_env prepare_tpu AbstractTrainStep
+    BertTrainStep GPTTrainStep MegatronLMDummyDataLoader MegatronLMDummyScheduler T5TrainStep
+    avg_losses_across_data_parallel_group find_executable_batch_size release_memory check_os_kernel
+    clean_state_dict_for_safetensors compile_regions compile_regions_deepspeed compile_regions_fsdp2
+    convert_bytes extract_model_from_parallel get_model_tp_size get_module_children_bottom_up
+    get_pretty_name has_compiled_regions is_compiled_module is_port_in_use load merge_dicts
+    model_has_dtensor recursive_getattr save wait_for_everyone write_basic_config set_seed
+    synchronize_rng_state synchronize_rng_states install_xla tqdm apply_fp8_autowrap
+    contextual_fp8_autocast convert_model has_transformer_engine_layers DeepSpeedEngineWrapper
+    DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper DummyOptim DummyScheduler HfDeepSpeedConfig
+    get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed MegatronEngine
+    MegatronLMOptimizerWrapper MegatronLMSchedulerWrapper gather_across_data_parallel_groups
+    megatron_lm_initialize megatron_lm_prepare_data_loader
+    megatron_lm_prepare_model_optimizer_scheduler megatron_lm_prepare_optimizer
+    megatron_lm_prepare_scheduler
+""".split()
+ACCELERATE_TOP_LEVEL = """
+    Accelerator cpu_offload cpu_offload_with_hook disk_offload dispatch_model init_empty_weights
+    init_on_device load_checkpoint_and_dispatch skip_first_batches prepare_pippy debug_launcher
+    notebook_launcher ParallelismConfig PartialState AutocastKwargs DataLoaderConfiguration
+    DDPCommunicationHookType DeepSpeedPlugin DistributedDataParallelKwargs DistributedType
+    FullyShardedDataParallelPlugin GradScalerKwargs InitProcessGroupKwargs ProfileKwargs
+    find_executable_batch_size infer_auto_device_map is_rich_available load_checkpoint_in_model
+    synchronize_rng_states rich __version__
+""".split()
+ACCELERATE_LAUNCH_FLAGS = """
+    --config_file --quiet -q --cpu --multi_gpu --tpu --mixed_precision --num_processes
+    --num_machines --num_cpu_threads_per_process --enable_cpu_affinity --dynamo_backend
+    --dynamo_mode --dynamo_use_fullgraph --dynamo_use_dynamic --dynamo_use_regional_compilation
+    --use_deepspeed --use_fsdp --use_parallelism_config --use_megatron_lm --gpu_ids --same_network
+    --machine_rank --main_process_ip --main_process_port -t --tee --log_dir --role --rdzv_backend
+    --rdzv_conf --max_restarts --monitor_interval -m --module --no_python --tpu_cluster
+    --no_tpu_cluster --tpu_use_sudo --vm --env --main_training_function --downcast_bf16
+    --deepspeed_config_file --zero_stage --offload_optimizer_device --offload_param_device
+    --offload_optimizer_nvme_path --offload_param_nvme_path --gradient_accumulation_steps
+    --gradient_clipping --zero3_init_flag --zero3_save_16bit_model --deepspeed_hostfile
+    --deepspeed_exclusion_filter --deepspeed_inclusion_filter --deepspeed_multinode_launcher
+    --deepspeed_moe_layer_cls_names --fsdp_version --fsdp_offload_params --fsdp_min_num_params
+    --fsdp_sharding_strategy --fsdp_reshard_after_forward --fsdp_auto_wrap_policy
+    --fsdp_transformer_layer_cls_to_wrap --fsdp_backward_prefetch --fsdp_state_dict_type
+    --fsdp_forward_prefetch --fsdp_use_orig_params --fsdp_cpu_ram_efficient_loading
+    --fsdp_sync_module_states --fsdp_activation_checkpointing
+    --fsdp_activation_checkpointing_offload --megatron_lm_tp_degree --megatron_lm_use_custom_fsdp
+    --megatron_lm_no_load_optim --megatron_lm_eod_mask_loss
+    --megatron_lm_overlap_cpu_optimizer_d2h_h2d --megatron_lm_no_save_optim
+    --megatron_lm_optimizer_cpu_offload --megatron_lm_use_precision_aware_optimizer
+    --megatron_lm_decoder_last_pipeline_num_layers --megatron_lm_pp_degree
+    --megatron_lm_num_micro_batches --megatron_lm_sequence_parallelism
+    --megatron_lm_recompute_activations --megatron_lm_use_distributed_optimizer
+    --megatron_lm_gradient_clipping --megatron_lm_recompute_granularity
+    --megatron_lm_recompute_method --megatron_lm_recompute_num_layers
+    --megatron_lm_attention_backend --megatron_lm_expert_model_parallel_size
+    --megatron_lm_context_parallel_size --megatron_lm_attention_dropout --megatron_lm_hidden_dropout
+    --megatron_lm_attention_softmax_in_fp32 --megatron_lm_expert_tensor_parallel_size
+    --megatron_lm_calculate_per_token_loss --megatron_lm_use_rotary_position_embeddings
+    --fp8_backend --fp8_use_autocast_during_eval --fp8_margin --fp8_interval --fp8_format
+    --fp8_amax_history_len --fp8_amax_compute_algo --fp8_override_linear_precision --fp8_opt_level
+    --fp8_enable_fsdp_float8_all_gather --fp8_pad_inner_dim --aws_access_key_id
+    --aws_secret_access_key --debug --mpirun_hostfile --parallelism_config_dp_replicate_size
+    --parallelism_config_dp_shard_size --parallelism_config_tp_size --parallelism_config_cp_size
+    --parallelism_config_cp_backend --parallelism_config_cp_comm_strategy
+    --parallelism_config_sp_size --parallelism_config_sp_backend --parallelism_config_sp_seq_length
+    --parallelism_config_sp_seq_length_is_variable --parallelism_config_sp_attn_implementation
+""".split()
+# The fields of the configuration objects a `same` row promises (Accelerate 1.15's dataclass fields).
+ACCELERATE_FIELDS = {
+    "DataLoaderConfiguration": "split_batches dispatch_batches even_batches use_seedable_sampler data_seed "
+    "non_blocking use_stateful_dataloader",
+    "GradientAccumulationPlugin": "num_steps adjust_scheduler sync_with_dataloader sync_each_batch",
+    "ProjectConfiguration": "project_dir logging_dir automatic_checkpoint_naming total_limit iteration "
+    "save_on_each_node",
+    "DistributedDataParallelKwargs": "dim broadcast_buffers bucket_cap_mb find_unused_parameters "
+    "check_reduction gradient_as_bucket_view static_graph comm_hook comm_wrapper comm_state_option",
+    "AutocastKwargs": "enabled cache_enabled",
+    "GradScalerKwargs": "init_scale growth_factor backoff_factor growth_interval enabled",
+    "InitProcessGroupKwargs": "backend init_method timeout",
+    "ProfileKwargs": "activities schedule_option on_trace_ready record_shapes profile_memory with_stack "
+    "with_flops with_modules output_trace_dir",
+    "FullyShardedDataParallelPlugin": "fsdp_version sharding_strategy reshard_after_forward "
+    "backward_prefetch mixed_precision_policy auto_wrap_policy cpu_offload ignored_modules state_dict_type "
+    "state_dict_config "
+    "optim_state_dict_config limit_all_gathers use_orig_params param_init_fn sync_module_states "
+    "forward_prefetch activation_checkpointing activation_checkpointing_offload cpu_ram_efficient_loading "
+    "transformer_cls_names_to_wrap min_num_params",
+    "DeepSpeedPlugin": "hf_ds_config gradient_accumulation_steps gradient_clipping zero_stage "
+    "is_train_batch_min offload_optimizer_device offload_param_device offload_optimizer_nvme_path "
+    "offload_param_nvme_path zero3_init_flag zero3_save_16bit_model transformer_moe_cls_names enable_msamp "
+    "msamp_opt_level",
+}
+ACCELERATE_ENUM_MEMBERS = {
+    "DistributedType": "NO MULTI_CPU MULTI_GPU MULTI_NPU MULTI_MLU MULTI_SDAA MULTI_MUSA MULTI_XPU DEEPSPEED "
+    "FSDP XLA MEGATRON_LM MULTI_HPU MULTI_NEURON",
+    "DDPCommunicationHookType": "NO FP16 BF16 POWER_SGD BATCHED_POWER_SGD",
+    "LoggerType": "ALL AIM TENSORBOARD WANDB TRACKIO COMETML MLFLOW CLEARML DVCLIVE SWANLAB",
+}
+
+# -- the page -------------------------------------------------------------------------------------------
+SECTIONS = {  # heading prefix -> what its first column names
+    "Accelerator constructor arguments": "argument",
+    "Accelerator methods and properties": "accelerator",
+    "PartialState, AcceleratorState, GradientState": "state",
+    "Configuration objects and kwargs handlers": "utils",
+    "Operations from `accelerate.utils`": "utils",
+    "Top-level names of `accelerate`": "top",
+    "Other modules": "module",
+    "`accelerate launch` flags": "flag",
+}
+
+
+@dataclasses.dataclass
+class Row:
+    kind: str
+    names: list[str]
+    verdict: str
+    note: str
+    line: int
+
+    @property
+    def provided(self) -> bool:
+        return self.verdict in PROVIDED
+
+
+def _rows(text: str) -> list[Row]:
+    rows, kind = [], None
+    for number, line in enumerate(text.splitlines(), 1):
+        if line.startswith("## "):
+            heading = line[3:].strip()
+            kind = next((k for prefix, k in SECTIONS.items() if heading.startswith(prefix)), None)
+            continue
+        if kind is None or not line.startswith("|") or line.startswith(("| Accelerate name", "| ---")):
+            continue
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        assert len(cells) == 3, f"line {number}: a row has 3 cells (name | unison | note): {line}"
+        names = re.findall(r"`([^`]+)`", cells[0])
+        listed = re.fullmatch(r"(`[^`]+`(, )?)+", cells[0])
+        assert names and listed, f"line {number}: the first column lists backticked names: {line}"
+        verdict = next((v for v in VERDICTS if cells[1] == v or cells[1].startswith(v + " (")), None)
+        assert verdict, f"line {number}: the unison column starts with one of {VERDICTS}: {cells[1]!r}"
+        rows.append(Row(kind, names, verdict, cells[2], number))
+    return rows
+
+
+TEXT = PAGE.read_text()
+ROWS = _rows(TEXT)
+
+
+def _code_identifiers(text: str) -> set[str]:
+    """Every identifier (and flag) inside inline code or fenced code on the page."""
+    fenced = re.findall(r"^```[^\n]*\n(.*?)^```", text, flags=re.S | re.M)
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", text, flags=re.S | re.M)
+    spans = fenced + re.findall(r"`([^`]+)`", prose)
+    return {token for span in spans for token in re.findall(r"-{0,2}[A-Za-z_][\w-]*", span)}
+
+
+def _rows_naming(kind: str) -> dict[str, Row]:
+    return {name: row for row in ROWS if row.kind == kind for name in row.names}
+
+
+def _launch_flags() -> set[str]:
+    parser = build_parser()
+    subparsers = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return {flag for action in subparsers.choices["launch"]._actions for flag in action.option_strings}
+
+
+@pytest.fixture
+def accelerator(fresh_state) -> Accelerator:
+    return Accelerator(cpu=True)
+
+
+def _has_member(owner: object, cls: type, name: str) -> bool:
+    return hasattr(cls, name) or hasattr(owner, name)
+
+
+# -- the page's structure -----------------------------------------------------------------------------------
+def test_every_section_has_rows_and_each_name_one_verdict():
+    assert {row.kind for row in ROWS} == set(SECTIONS.values())
+    for kind in set(SECTIONS.values()):
+        if kind == "utils":
+            continue  # two sections share the unison.utils namespace, each name once across both
+        names = [name for row in ROWS if row.kind == kind for name in row.names]
+        assert len(names) == len(set(names)), sorted({n for n in names if names.count(n) > 1})
+    utils = [name for row in ROWS if row.kind == "utils" for name in row.names]
+    assert len(utils) == len(set(utils)), sorted({n for n in utils if utils.count(n) > 1})
+
+
+def test_each_accelerate_accelerator_member_has_a_row():
+    rows = _rows_naming("accelerator")
+    members = ACCELERATE_ACCELERATOR_MEMBERS + ACCELERATE_ACCELERATOR_ATTRIBUTES
+    missing = [name for name in members if f"Accelerator.{name}" not in rows]
+    assert not missing, missing
+    extra = sorted(set(rows) - {f"Accelerator.{name}" for name in members})
+    assert not extra, f"rows for names Accelerate 1.15's Accelerator does not have: {extra}"
+
+
+def test_each_accelerate_constructor_argument_state_member_utils_name_top_level_name_and_flag_has_a_row():
+    arguments = _rows_naming("argument")
+    assert [a for a in ACCELERATE_ACCELERATOR_ARGUMENTS if f"Accelerator({a}=)" not in arguments] == []
+    state = _rows_naming("state")
+    for cls, members in ACCELERATE_STATE_MEMBERS.items():
+        assert [m for m in members if f"{cls}.{m}" not in state] == [], cls
+    assert [n for n in ACCELERATE_UTILS if n not in _rows_naming("utils")] == []
+    assert [n for n in ACCELERATE_TOP_LEVEL if n not in _rows_naming("top")] == []
+    assert [f for f in ACCELERATE_LAUNCH_FLAGS if f not in _rows_naming("flag")] == []
+
+
+# -- each row against the code ----------------------------------------------------------------------------
+def test_constructor_argument_rows():
+    parameters = inspect.signature(Accelerator.__init__).parameters
+    for name, row in _rows_naming("argument").items():
+        argument = re.fullmatch(r"Accelerator\((\w+)=\)", name)
+        assert argument, f"line {row.line}: write constructor arguments as `Accelerator(name=)`: {name}"
+        assert (argument.group(1) in parameters) is row.provided, (name, row.verdict)
+
+
+def test_accelerator_rows(accelerator):
+    for name, row in _rows_naming("accelerator").items():
+        member = name.removeprefix("Accelerator.")
+        assert name.startswith("Accelerator.") and member.isidentifier(), f"line {row.line}: {name}"
+        assert _has_member(accelerator, Accelerator, member) is row.provided, (name, row.verdict)
+
+
+def test_state_rows(accelerator):
+    owners = {
+        "PartialState": (PartialState(), PartialState),
+        "AcceleratorState": (accelerator.state, type(accelerator.state)),
+        "GradientState": (GradientState(), GradientState),
+    }
+    for name, row in _rows_naming("state").items():
+        cls_name, _, member = name.partition(".")
+        owner, cls = owners[cls_name]
+        assert _has_member(owner, cls, member) is row.provided, (name, row.verdict)
+
+
+def test_utils_rows():
+    for name, row in _rows_naming("utils").items():
+        if row.provided:
+            assert name in unison.utils.__all__, f"{name} ({row.verdict}) is not in unison.utils.__all__"
+        else:
+            assert not hasattr(unison.utils, name), f"{name} is marked {row.verdict} but unison.utils has it"
+
+
+def test_top_level_rows():
+    for name, row in _rows_naming("top").items():
+        if row.provided:
+            assert name in unison.__all__, f"{name} ({row.verdict}) is not in unison.__all__"
+        else:
+            assert not hasattr(unison, name), f"{name} is marked {row.verdict} but unison has it"
+
+
+def test_other_module_rows():
+    for name, row in _rows_naming("module").items():
+        assert name.startswith("accelerate."), f"line {row.line}: {name}"
+        leaf = name.rsplit(".", 1)[1]
+        if row.provided:
+            where = re.search(r"`unison\.(\w+)`", row.note)
+            assert where and where.group(1) == leaf, f"line {row.line}: the note names `unison.{leaf}`"
+            assert leaf in unison.__all__, name
+        else:
+            assert not hasattr(unison, leaf) and not hasattr(unison.utils, leaf), (name, row.verdict)
+
+
+def test_launch_flag_rows():
+    flags = _launch_flags()
+    for name, row in _rows_naming("flag").items():
+        assert (name in flags) is row.provided, (name, row.verdict)
+
+
+def test_same_configuration_objects_keep_accelerates_fields_and_members():
+    rows = _rows_naming("utils") | _rows_naming("top")
+    for name, fields in ACCELERATE_FIELDS.items():
+        if rows[name].provided:
+            ours = {f.name for f in dataclasses.fields(getattr(unison.utils, name))}
+            assert set(fields.split()) <= ours, (name, sorted(set(fields.split()) - ours))
+    for name, members in ACCELERATE_ENUM_MEMBERS.items():
+        assert rows[name].provided
+        assert set(members.split()) <= set(getattr(unison.utils, name).__members__), name
+
+
+# -- unison's side: nothing public goes unmentioned ---------------------------------------------------------
+def test_every_public_unison_name_appears_on_the_page(accelerator):
+    mentioned = _code_identifiers(TEXT)
+    public = {name for name in dir(accelerator) if not name.startswith("_")}
+    assert sorted(public - mentioned) == [], "public Accelerator members the page does not mention"
+    assert sorted(set(unison.__all__) - mentioned) == [], "names of unison.__all__ the page does not mention"
+    assert sorted(set(unison.utils.__all__) - mentioned) == [], "names of unison.utils.__all__ not mentioned"
+
+
+# -- the example --------------------------------------------------------------------------------------------
+@pytest.mark.usefixtures("fresh_state")
+def test_the_python_example_runs_as_written(tmp_path, monkeypatch, capsys):
+    blocks = re.findall(r"^```python\n(.*?)^```", TEXT, flags=re.S | re.M)
+    assert blocks
+    monkeypatch.chdir(tmp_path)
+    for block in blocks:
+        assert "accelerate" not in re.sub(r"#.*", "", block)  # only comments name the old import
+        exec(compile(block, str(PAGE), "exec"), {"__name__": "__main__"})
+    assert re.search(r"^loss \d+\.\d{4}$", capsys.readouterr().out, flags=re.M)
+    assert torch.get_num_threads() >= 1
