@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib
 import inspect
 import re
 
@@ -383,16 +384,37 @@ def test_top_level_rows():
             assert not hasattr(unison, name), f"{name} is marked {row.verdict} but unison has it"
 
 
+def _resolve(path: str) -> object | None:
+    """The object at a dotted path such as `unison.data.SeedableRandomSampler`, or None."""
+    parts = path.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for part in parts[cut:]:
+            obj = getattr(obj, part, None)
+        return obj
+    return None
+
+
+UNISON_MODULE_OF = {"data_loader": "data"}  # where an Accelerate module's names live in unison, if renamed
+
+
 def test_other_module_rows():
     for name, row in _rows_naming("module").items():
         assert name.startswith("accelerate."), f"line {row.line}: {name}"
-        leaf = name.rsplit(".", 1)[1]
+        module, leaf = name.removeprefix("accelerate.").rsplit(".", 1)
         if row.provided:
-            where = re.search(r"`unison\.(\w+)`", row.note)
-            assert where and where.group(1) == leaf, f"line {row.line}: the note names `unison.{leaf}`"
-            assert leaf in unison.__all__, name
+            where = re.search(r"`(unison\.[\w.]+)`", row.note)
+            assert where and where.group(1).endswith("." + leaf), f"line {row.line}: the note names unison's"
+            assert _resolve(where.group(1)) is not None, (name, where.group(1))
         else:
-            assert not hasattr(unison, leaf) and not hasattr(unison.utils, leaf), (name, row.verdict)
+            counterpart = f"unison.{UNISON_MODULE_OF.get(module, module)}.{leaf}"
+            found = [
+                p for p in (f"unison.{leaf}", f"unison.utils.{leaf}", counterpart) if _resolve(p) is not None
+            ]
+            assert not found, (name, row.verdict, found)
 
 
 def test_launch_flag_rows():
@@ -419,6 +441,132 @@ def test_every_public_unison_name_appears_on_the_page(accelerator):
     assert sorted(public - mentioned) == [], "public Accelerator members the page does not mention"
     assert sorted(set(unison.__all__) - mentioned) == [], "names of unison.__all__ the page does not mention"
     assert sorted(set(unison.utils.__all__) - mentioned) == [], "names of unison.utils.__all__ not mentioned"
+
+
+def test_every_unison_path_on_the_page_exists():
+    prose = re.sub(r"^```[^\n]*\n.*?^```", "", TEXT, flags=re.S | re.M)
+    paths = {
+        m.group(1)
+        for span in re.findall(r"`([^`]+)`", prose)
+        for m in [re.match(r"(unison(\.\w+)+)", span)]
+        if m
+    }
+    assert paths
+    assert sorted(path for path in paths if _resolve(path) is None) == []
+
+
+# The one-liners the notes give, exactly as the page writes them, run against a prepared Accelerator.
+ONE_LINERS = [
+    "Accelerator(timeout=1800)",  # first: the process group takes its timeout once
+    "Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))",
+    "for _ in range(accelerator.num_processes): scheduler.step()",
+    "accelerator.dataloader_config.even_batches = False",
+    "accelerator.gradient_state.sync_gradients = True",
+    "accelerator.autocast(enabled=handler.enabled)",
+    'accelerator.save_state(f"{accelerator.project_dir}/checkpoints/checkpoint_{saves}")',
+    "accelerator.save(obj, f)",
+    'accelerator.save_model(model, "out/")',
+    "accelerator.unwrap_model(model)",
+    "accelerator.unwrap_model(model, keep_torch_compile=False)",
+    "model.to(accelerator.device)",
+    "accelerator.is_fsdp2",
+    "accelerator.parallelism_config.zero_stage",
+    "accelerator.parallelism_config.tp_size",
+    "accelerator.wait_for_everyone()",
+    "PartialState().wait_for_everyone()",
+    "PartialState().device",
+    'unittest.mock.patch.dict(os.environ, {"NAME": "value"})',
+    'importlib.util.find_spec("wandb") is not None',
+    "accelerator.state.destroy_process_group()",  # last: ends the process group (none on one process)
+]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
+    import importlib.util
+    import os
+    import unittest.mock
+
+    monkeypatch.chdir(tmp_path)
+    assert [line for line in ONE_LINERS if f"`{line}`" not in TEXT] == []
+    accelerator = eval(ONE_LINERS[0])
+    accelerator.project_configuration.set_directories(tmp_path / "project")
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    accelerator.backward(model(torch.ones(1, 2)).sum())
+    optimizer.step()  # before the scheduler's, as torch wants
+    namespace = dict(globals()) | {
+        "accelerator": accelerator,
+        "model": model,
+        "scheduler": scheduler,
+        "handler": unison.AutocastKwargs(enabled=False),
+        "saves": 1,
+        "obj": {"step": 1},
+        "f": str(tmp_path / "obj.pt"),
+        "os": os,
+        "unittest": unittest,
+        "importlib": importlib,
+        "DataLoaderConfiguration": unison.DataLoaderConfiguration,
+    }
+    for line in ONE_LINERS[1:]:
+        exec(compile(line, "one-liner", "exec"), namespace)
+    assert scheduler.get_last_lr() == [0.5]  # stepped num_processes (1) times on a sync step
+    assert (tmp_path / "project" / "checkpoints" / "checkpoint_1").is_dir()
+    assert (tmp_path / "obj.pt").is_file() and any((tmp_path / "out").iterdir())
+    assert accelerator.even_batches is False
+
+
+# -- the behaviour the "different" notes describe (a fix making unison match Accelerate updates the page)
+def _parameters(function) -> set[str]:
+    return set(inspect.signature(function).parameters)
+
+
+def test_the_signature_differences_the_notes_describe():
+    assert "enabled" in _parameters(Accelerator.autocast) and "autocast_handler" not in _parameters(
+        Accelerator.autocast
+    )
+    assert "optimizer" not in _parameters(Accelerator.unscale_gradients)
+    assert "evaluation_mode" not in _parameters(Accelerator.prepare_model)
+    assert "slice_fn_for_dispatch" not in _parameters(Accelerator.prepare_data_loader)
+    assert "safe_serialization" not in _parameters(Accelerator.save_state)
+    assert {"strict", "missing_ok"} <= _parameters(Accelerator.load_state)
+    assert "load_kwargs" not in _parameters(Accelerator.load_state)
+    assert not {"rdzv_backend", "rdzv_endpoint", "rdzv_conf", "rdzv_id", "monitor_interval"} & _parameters(
+        unison.notebook_launcher
+    )
+    assert not {"slice_fn_for_dispatch", "use_stateful_dataloader", "torch_device_mesh"} & _parameters(
+        unison.prepare_data_loader
+    )
+    for name in ("even_batches", "sync_gradients"):  # read-only properties
+        assert inspect.getattr_static(Accelerator, name).fset is None, name
+    assert not isinstance(inspect.getattr_static(Accelerator, "trigger_sync_in_backward"), staticmethod)
+    assert issubclass(unison.CheckpointError, ValueError)
+    assert {"JSONL", "CSV"} <= set(unison.LoggerType.__members__)
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_the_refusals_and_values_the_notes_describe(tmp_path):
+    accelerator = Accelerator(cpu=True)
+    assert accelerator.distributed_type == unison.DistributedType.NO and accelerator.rng_types is None
+    assert (accelerator.context_parallel_rank, accelerator.pipeline_parallel_rank) == (0, 0)
+    with pytest.raises(TypeError):
+        accelerator.prepare(torch.nn.Linear(1, 1), "not preparable")
+    refused = [
+        lambda: Accelerator(cpu=True, mixed_precision="fp8"),
+        lambda: Accelerator(cpu=True, log_with="aim"),
+        lambda: Accelerator(cpu=True, kwargs_handlers=[object()]),
+        lambda: Accelerator(cpu=True, deepspeed_plugins={"a": unison.DeepSpeedPlugin()}),
+        lambda: Accelerator(cpu=True, rng_types=["xla"]).prepare(torch.utils.data.DataLoader(range(4))),
+        lambda: Accelerator(cpu=True, kwargs_handlers=[unison.InitProcessGroupKwargs(backend="nccl")]),
+        lambda: unison.ProjectConfiguration(project_dir=str(tmp_path), iteration=3),
+        lambda: unison.ProjectConfiguration(project_dir=str(tmp_path), save_on_each_node=True),
+    ]
+    for number, make in enumerate(refused):
+        with pytest.raises((ValueError, TypeError)):
+            make()
+            pytest.fail(f"refusal {number} was accepted")
 
 
 # -- the example --------------------------------------------------------------------------------------------
