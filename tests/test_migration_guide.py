@@ -23,7 +23,7 @@ from launching import REPO_ROOT
 
 import unison
 import unison.utils
-from unison import Accelerator, GradientState, PartialState
+from unison import Accelerator, GradientState, PartialState, launch_env
 from unison.commands.main import build_parser
 
 PAGE = REPO_ROOT / "docs" / "migrating-from-accelerate.md"
@@ -477,6 +477,10 @@ ONE_LINERS = [
     "PartialState().device",
     'unittest.mock.patch.dict(os.environ, {"NAME": "value"})',
     'importlib.util.find_spec("wandb") is not None',
+    "PartialState(cpu=True, timeout=1800)",
+    "ParallelismConfig(tp_size=2)",
+    "ParallelismConfig(pp_size=2)",
+    'torch.compile(model, mode="max-autotune", fullgraph=True)',  # compiles at the first call only
     "accelerator.state.destroy_process_group()",  # last: ends the process group (none on one process)
 ]
 
@@ -488,6 +492,7 @@ def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
     import unittest.mock
 
     monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv(launch_env.CPU, "1")  # the CPU on any machine, as PartialState(cpu=True) asks
     assert [line for line in ONE_LINERS if f"`{line}`" not in TEXT] == []
     accelerator = eval(ONE_LINERS[0])
     accelerator.project_configuration.set_directories(tmp_path / "project")
@@ -509,6 +514,7 @@ def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
         "unittest": unittest,
         "importlib": importlib,
         "DataLoaderConfiguration": unison.DataLoaderConfiguration,
+        "ParallelismConfig": unison.ParallelismConfig,
     }
     for line in ONE_LINERS[1:]:
         exec(compile(line, "one-liner", "exec"), namespace)
