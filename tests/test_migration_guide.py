@@ -462,7 +462,6 @@ ONE_LINERS = [
     "for _ in range(accelerator.num_processes): scheduler.step()",
     "accelerator.dataloader_config.even_batches = False",
     "accelerator.gradient_state.sync_gradients = True",
-    "accelerator.autocast(enabled=handler.enabled)",
     'accelerator.save_state(f"{accelerator.project_dir}/checkpoints/checkpoint_{saves}")',
     "accelerator.save(obj, f)",
     'accelerator.save_model(model, "out/")',
@@ -506,7 +505,6 @@ def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
         "accelerator": accelerator,
         "model": model,
         "scheduler": scheduler,
-        "handler": unison.AutocastKwargs(enabled=False),
         "saves": 1,
         "obj": {"step": 1},
         "f": str(tmp_path / "obj.pt"),
@@ -530,9 +528,6 @@ def _parameters(function) -> set[str]:
 
 
 def test_the_signature_differences_the_notes_describe():
-    assert "enabled" in _parameters(Accelerator.autocast) and "autocast_handler" not in _parameters(
-        Accelerator.autocast
-    )
     assert "optimizer" not in _parameters(Accelerator.unscale_gradients)
     assert "evaluation_mode" not in _parameters(Accelerator.prepare_model)
     assert "slice_fn_for_dispatch" not in _parameters(Accelerator.prepare_data_loader)

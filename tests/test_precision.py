@@ -9,6 +9,7 @@ from torch import nn
 from unison import (
     Accelerator,
     AcceleratorState,
+    AutocastKwargs,
     GradientState,
     GradScalerKwargs,
     PartialState,
@@ -130,3 +131,16 @@ def test_scheduler_steps_per_call_when_not_tied_to_the_optimizer():
             scheduler.step()
             optimizer.zero_grad()
     assert scheduler.get_last_lr() == [1.0 / 2**4]
+
+
+def test_autocast_takes_an_autocast_handler_for_the_block_as_accelerate_does():
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16")
+    x = torch.randn(2, 2)
+    with accelerator.autocast():
+        assert (x @ x).dtype == torch.bfloat16
+    with accelerator.autocast(AutocastKwargs(enabled=False)):  # full precision for this block only
+        assert (x @ x).dtype == torch.float32
+    with accelerator.autocast(AutocastKwargs(cache_enabled=False)):
+        assert (x @ x).dtype == torch.bfloat16 and not torch.is_autocast_cache_enabled()
+    with pytest.raises(TypeError, match=r"autocast\(False\): pass an AutocastKwargs"):
+        accelerator.autocast(False)  # a bool would be a handler that is always "true"

@@ -46,11 +46,16 @@ class PrecisionPolicy:
     def enabled(self) -> bool:
         return self.dtype is not None
 
-    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
-        """torch.autocast in the run's dtype, or a null context in full precision."""
-        if not (enabled and self.enabled and self.autocast_enabled):
+    def autocast(self, handler_kwargs: dict | None = None) -> contextlib.AbstractContextManager:
+        """torch.autocast in the run's dtype, or a null context in full precision. `handler_kwargs` (an
+        AutocastKwargs' fields) replace the run's own autocast options for this context."""
+        enabled, options = self.autocast_enabled, self.autocast_options
+        if handler_kwargs is not None:
+            options = {k: v for k, v in handler_kwargs.items() if v is not None}
+            enabled = options.pop("enabled", True)
+        if not (enabled and self.enabled):
             return contextlib.nullcontext()
-        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **self.autocast_options)
+        return torch.autocast(device_type=self.device_type, dtype=self.dtype, **options)
 
     def attach_to(self, model: torch.nn.Module) -> list[RemovableHandle]:
         """Run `model`'s forward under autocast and hand its floating outputs back in fp32; the hooks'

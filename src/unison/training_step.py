@@ -12,6 +12,7 @@ Accelerator.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -19,6 +20,7 @@ from typing import Any
 import torch
 
 from .item_count import scale_gradients
+from .kwargs_handlers import AutocastKwargs
 from .parallel.clipping import clip_grad_norm
 from .parallel.ddp import skip_gradient_sync, trigger_sync_in_backward
 from .parallel.engines import is_dtensor
@@ -229,9 +231,18 @@ class TrainingStepMethods:
         )
         scale_gradients((p for model in self._models for p in model.parameters()), factor)
 
-    def autocast(self, enabled: bool = True) -> contextlib.AbstractContextManager:
-        """Autocast in the run's mixed precision, for computation outside the prepared model."""
-        return self.precision.autocast(enabled)
+    def autocast(self, autocast_handler: AutocastKwargs | None = None) -> contextlib.AbstractContextManager:
+        """Autocast in the run's mixed precision, for computation outside the prepared model; with an
+        `autocast_handler`, its options (enabled, cache_enabled) instead of the Accelerator's, as in
+        Accelerate."""
+        if autocast_handler is None:
+            return self.precision.autocast()
+        if not isinstance(autocast_handler, AutocastKwargs):
+            raise TypeError(
+                f"autocast({autocast_handler!r}): pass an AutocastKwargs (e.g. AutocastKwargs(enabled=False))"
+                " or nothing for the Accelerator's own autocast options."
+            )
+        return self.precision.autocast(dataclasses.asdict(autocast_handler))
 
     def unscale_gradients(self) -> None:
         """Divide fp16 gradients by the loss scale (done for you by the clip_grad_* methods)."""
