@@ -334,3 +334,23 @@ def test_a_model_compiled_before_prepare_trains_and_unwraps_as_in_accelerate(tmp
     assert accelerator.should_save_model
     with accelerator.trigger_sync_in_backward(model), accelerator.maybe_context_parallel(buffers=[x]):
         accelerator.backward(model(x).sum())  # one process: nothing to synchronise or shard
+
+
+def test_get_logger_emits_on_the_main_process_or_every_process_in_order(tmp_path):
+    log = tmp_path / "log.txt"
+    launch_ok(WORKERS / "logging_worker.py", 3, log)
+    lines = log.read_text().splitlines()
+    messages = [line.split(" ", 1)[1] for line in lines]
+    assert [m for m in messages if m.startswith("main only")] == ["main only 0"]
+    assert sorted(m for m in messages if m.startswith("everyone")) == [f"everyone {r}" for r in range(3)]
+    assert messages.count("once per process") == 3 and "below the level" not in messages  # once per process
+    assert messages[-3:] == ["in order 0", "in order 1", "in order 2"]  # one process after the other
+    assert {line.split(":")[0] for line in lines} == {"logging_worker.py"}  # the caller's file, not ours
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_get_logger_before_any_state_says_what_to_create_first():
+    from unison.logging import get_logger
+
+    with pytest.raises(RuntimeError, match=r"create the Accelerator \(or PartialState\(\)\) before"):
+        get_logger("unison-test").warning("too early")

@@ -471,8 +471,6 @@ ONE_LINERS = [
     "accelerator.is_fsdp2",
     "accelerator.parallelism_config.zero_stage",
     "accelerator.parallelism_config.tp_size",
-    "accelerator.wait_for_everyone()",
-    "PartialState().wait_for_everyone()",
     "PartialState().device",
     'unittest.mock.patch.dict(os.environ, {"NAME": "value"})',
     'importlib.util.find_spec("wandb") is not None',

@@ -538,3 +538,8 @@ def validate_mixed_precision(value: str) -> str:
             "(bf16 works on CPUs and recent GPUs; fp16 needs a GPU to be fast)."
         )
     return normalised
+
+
+def wait_for_everyone() -> None:
+    """Barrier over every process (accelerate.utils.wait_for_everyone); a no-op in one process."""
+    PartialState().wait_for_everyone()

@@ -3,6 +3,7 @@ becomes `from unison.utils import X`. Re-exports only; each name lives in the mo
 
 from .checkpoint import ProjectConfiguration
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
+from .data.randomness import synchronize_rng_states
 from .device_memory import find_executable_batch_size, release_memory
 from .kwargs_handlers import (
     AutocastKwargs,
@@ -25,7 +26,7 @@ from .parallel.comm_hooks import DDPCommunicationHookType
 from .parallel.config import ParallelismConfig
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
-from .state import DistributedType
+from .state import DistributedType, wait_for_everyone
 from .tracking import GeneralTracker, LoggerType
 
 __all__ = [
@@ -55,4 +56,6 @@ __all__ = [
     "release_memory",
     "send_to_device",
     "set_seed",
+    "synchronize_rng_states",
+    "wait_for_everyone",
 ]
