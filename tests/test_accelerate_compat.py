@@ -4,6 +4,7 @@ under `unison launch` with only its imports changed, and matches a single-proces
 from __future__ import annotations
 
 import json
+import pickle
 from pathlib import Path
 
 import pytest
@@ -354,3 +355,29 @@ def test_get_logger_before_any_state_says_what_to_create_first():
 
     with pytest.raises(RuntimeError, match=r"create the Accelerator \(or PartialState\(\)\) before"):
         get_logger("unison-test").warning("too early")
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_an_accelerator_pickles_with_what_it_prepared():
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=2)
+    model = torch.nn.Linear(2, 1)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    clone = pickle.loads(pickle.dumps(accelerator))
+    assert (clone.device, clone.gradient_accumulation_steps) == (accelerator.device, 2)
+    copied_model, copied_optimizer = clone._models[0], clone._optimizers[0]
+    assert torch.equal(copied_model.weight, model.weight) and copied_model is not model
+    assert copied_optimizer.optimizer.param_groups[0]["params"][0] is copied_model.weight
+    with pytest.raises(ValueError, match="Linear was already prepared"):  # the clone knows what it prepared
+        clone.prepare(copied_model)
+
+
+def test_availability_probes_answer_from_torch_and_the_installed_packages(monkeypatch):
+    import importlib.util
+
+    assert unison.utils.is_cuda_available() == torch.cuda.is_available()
+    cuda = torch.cuda.is_available()
+    assert unison.utils.is_bf16_available() == (not cuda or torch.cuda.is_bf16_supported())
+    installed = {"wandb", "pytest"}
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
+    assert unison.utils.is_wandb_available() and unison.utils.is_pytest_available()
+    assert not unison.utils.is_mlflow_available() and not unison.utils.is_tensorboard_available()

@@ -188,6 +188,14 @@ class Accelerator(
         # id(parameter before prepare) -> its sharded replacement, for optimizers built before prepare().
         self._replaced_parameters: dict[int, torch.nn.Parameter | None] = {}
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable, as Accelerate's is (a spawned worker may receive it): the weak set of prepared
+        objects travels as a list."""
+        return {**self.__dict__, "_prepared": list(self._prepared)}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _prepared=weakref.WeakSet(state["_prepared"]))
+
     def _set_layout(self, config: ParallelismConfig) -> None:
         if config.legacy_data_parallel:
             check_data_parallel_devices(torch.cuda.device_count() if self.device.type == "cuda" else 0)

@@ -221,6 +221,12 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
 
 
 # -- agreement check -------------------------------------------------------------------------------
+class DistributedOperationException(ValueError):
+    """Processes called a collective with different operations, structures, shapes or dtypes; raised on
+    every process before the collective runs (Accelerate's name; a ValueError, as unison's other errors
+    about the caller's input)."""
+
+
 class _Leaf(NamedTuple):
     """What the processes must agree on about one leaf before a collective."""
 
@@ -303,7 +309,7 @@ def _check_agreement(
         if highest != -minus_lowest:
             calls: list[Any] = [None] * state.num_processes
             dist.all_gather_object(calls, (op, description))
-            raise ValueError(_mismatch_message(calls))
+            raise DistributedOperationException(_mismatch_message(calls))
     for path, kind, shape in description:
         if shape is None:
             raise TypeError(

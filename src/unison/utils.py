@@ -1,6 +1,20 @@
 """What scripts import from `accelerate.utils`, under the same names: `from accelerate.utils import X`
 becomes `from unison.utils import X`. Re-exports only; each name lives in the module that owns it."""
 
+from .availability import (
+    is_bf16_available,
+    is_cuda_available,
+    is_datasets_available,
+    is_fp16_available,
+    is_mlflow_available,
+    is_mps_available,
+    is_pytest_available,
+    is_rocm_available,
+    is_tensorboard_available,
+    is_transformers_available,
+    is_wandb_available,
+    is_xpu_available,
+)
 from .checkpoint import ProjectConfiguration
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
 from .data.randomness import synchronize_rng_states
@@ -51,6 +65,18 @@ __all__ = [
     "find_executable_batch_size",
     "gather",
     "gather_object",
+    "is_bf16_available",
+    "is_cuda_available",
+    "is_datasets_available",
+    "is_fp16_available",
+    "is_mlflow_available",
+    "is_mps_available",
+    "is_pytest_available",
+    "is_rocm_available",
+    "is_tensorboard_available",
+    "is_transformers_available",
+    "is_wandb_available",
+    "is_xpu_available",
     "pad_across_processes",
     "reduce",
     "release_memory",
