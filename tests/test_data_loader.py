@@ -101,15 +101,25 @@ def test_epoch_advances_after_complete_passes_only():
     sampler = loader.batch_sampler.sampler
     assert isinstance(sampler, SeedableRandomSampler) and loader.epoch == 0
     first = [b.tolist() for b in loader]
-    assert loader.epoch == 1 and sampler.epoch == 0
+    assert loader.epoch == 1 and sampler.epoch == 1  # a finished pass moves both on
     second = [b.tolist() for b in loader]
-    assert loader.epoch == 2 and sampler.epoch == 1 and first != second
+    assert loader.epoch == 2 and sampler.epoch == 2 and first != second
     for _ in loader:
         break  # an interrupted pass does not count
     assert loader.epoch == 2 and GradientState().active_dataloader is None
     loader.set_epoch(0)
     loader.set_epoch(0)  # harmless twice
     assert [b.tolist() for b in loader] == first
+
+
+def test_a_seedable_sampler_reshuffles_each_pass_as_its_prepared_loader_does():
+    """Accelerate's SeedableRandomSampler idiom: the user's sampler, no set_epoch; plain == prepared."""
+    sampler = SeedableRandomSampler(range(12), data_seed=5)
+    plain = [[b.tolist() for b in DataLoader(range(12), batch_size=4, sampler=sampler)] for _ in range(3)]
+    assert plain[0] != plain[1] != plain[2] and sampler.epoch == 3
+    user = DataLoader(range(12), batch_size=4, sampler=SeedableRandomSampler(range(12), data_seed=5))
+    prepared = prepare_data_loader(user, num_processes=1)
+    assert [[b.tolist() for b in prepared] for _ in range(3)] == plain
 
 
 class Stream(IterableDataset):

@@ -211,14 +211,16 @@ def test_seedable_sampler_is_a_function_of_seed_and_epoch():
     assert order(3, 0) != order(3, 1) != order(3, 2)
     assert order(3, 0) != order(4, 0)
     assert order(0, 1) != order(1, 0), "seed + epoch must not collide"
-    # iterating twice at the same epoch repeats the order; the global RNG is neither used nor moved
+    # a finished pass moves on to the next epoch (Accelerate's); the global RNG is neither used nor moved
     sampler = SeedableRandomSampler(data, seed=3)
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    assert list(sampler) == list(sampler) == order(3, 0)
+    assert [list(sampler), list(sampler)] == [order(3, 0), order(3, 1)] and sampler.epoch == 2
     assert torch.equal(before, torch.get_rng_state())
     with_replacement = SeedableRandomSampler(data, replacement=True, num_samples=80, seed=3)
-    assert len(list(with_replacement)) == 80 and list(with_replacement) == list(with_replacement)
+    first = list(with_replacement)
+    with_replacement.set_epoch(0)
+    assert len(first) == 80 and list(with_replacement) == first
     # Accelerate's signature: data_seed=, generator= (its seed; the generator itself is not advanced)
     assert list(SeedableRandomSampler(data, data_seed=3)) == order(3, 0)
     generator = torch.Generator().manual_seed(3)

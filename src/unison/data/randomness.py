@@ -68,12 +68,18 @@ class SeedableRandomSampler(RandomSampler):
         self.epoch = int(epoch)
 
     def __iter__(self) -> Iterator[int]:
-        self.generator = torch.Generator().manual_seed(epoch_seed(self.seed, self.epoch))
+        """This epoch's order; a pass read to its end moves on to the next epoch (as Accelerate's does), so
+        a plain loop that never calls set_epoch reshuffles like the prepared loader, which sets the epoch
+        before each pass."""
+        epoch = self.epoch
+        self.generator = torch.Generator().manual_seed(epoch_seed(self.seed, epoch))
         if not self.replacement and self.num_samples == len(self.data_source):
             # The common case, in the very order RandomSampler would give, without its two generator
             # layers: a sampler is read once per sample, so this shows in loader throughput.
-            return iter(torch.randperm(self.num_samples, generator=self.generator).tolist())
-        return super().__iter__()
+            yield from torch.randperm(self.num_samples, generator=self.generator).tolist()
+        else:
+            yield from super().__iter__()
+        self.epoch = epoch + 1
 
 
 def shuffle_seed(sampler: RandomSampler, data_seed: int | None = None) -> int:
