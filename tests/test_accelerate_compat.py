@@ -66,6 +66,9 @@ def test_triggers_last_process_distributed_type_and_destroy(records):
         assert record["distributed_type_checks"] == [True, False, False]
         assert record["destroyed"]
         assert record["saved_by"] == 0
+        message = record["own_directories"]  # every process, before anything was created
+        assert "asked to save into different directories (process 0: " in message and "own_1" in message
+        assert record["own_directories_created"] == []
     assert [record["last_process"] for record in records] == [None] * last + [last]
 
 

@@ -379,6 +379,14 @@ rank = accelerator.process_index
 accelerator.save({"writer": torch.tensor([rank])}, out_dir / "saved.pt")
 accelerator.wait_for_everyone()
 record["saved_by"] = torch.load(out_dir / "saved.pt")["writer"].item()
+# save_state into a directory of each process's own (Accelerate allows it): refused on every process
+try:
+    accelerator.save_state(out_dir / f"own_{rank}")
+except unison.CheckpointError as error:
+    record["own_directories"] = str(error)
+record["own_directories_created"] = sorted(
+    p.name for p in out_dir.iterdir() if p.name.startswith(("own_", ".own"))
+)
 accelerator.wait_for_everyone()
 PartialState().destroy_process_group()
 record["destroyed"] = not dist.is_initialized()

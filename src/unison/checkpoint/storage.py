@@ -183,6 +183,22 @@ def raise_if_any_process_failed(error: Exception | None, action: str) -> None:
 
 
 # -- writing -------------------------------------------------------------------------------------
+def _refuse_different_directories(final_dir: Path, state: PartialState) -> None:
+    """Every process must name the same checkpoint directory (Accelerate lets each write its own; unison
+    writes one checkpoint that all processes fill): refused on every process before anything is written."""
+    if state.num_processes == 1:
+        return
+    named: list[str | None] = [None] * state.num_processes
+    torch.distributed.all_gather_object(named, str(final_dir.absolute()))
+    if len(set(named)) > 1:
+        listing = ", ".join(f"process {rank}: {path}" for rank, path in enumerate(named))
+        raise CheckpointError(
+            f"the processes were asked to save into different directories ({listing}): one checkpoint is "
+            "written by all processes together, so pass every process the same path (e.g. one computed on "
+            "the main process and broadcast, or from project_dir)."
+        )
+
+
 @contextlib.contextmanager
 def write_checkpoint(
     final_dir: str | os.PathLike, metadata: Mapping[str, Any] | None = None
@@ -208,6 +224,7 @@ def write_checkpoint(
             f"checkpoint metadata {metadata!r} cannot be written to {MANIFEST_NAME}: {error}. Pass only "
             "JSON types (dict, list, str, int, float, bool, None)."
         ) from error
+    _refuse_different_directories(final_dir, state)
     if state.is_main_process:
         final_dir.parent.mkdir(parents=True, exist_ok=True)
         _remove_if_present(tmp_dir)
