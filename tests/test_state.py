@@ -210,3 +210,11 @@ def test_process_group_options_that_cannot_apply_are_refused():
         Accelerator(cpu=True, kwargs_handlers=[InitProcessGroupKwargs(init_method="tcp://10.0.0.1:23456")])
     accepted = [InitProcessGroupKwargs(backend="gloo", init_method="env://")]
     assert Accelerator(cpu=True, kwargs_handlers=accepted).state.backend == "gloo"
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_a_reset_state_says_what_happened_when_the_accelerator_uses_it():
+    accelerator = Accelerator(cpu=True)
+    AcceleratorState._reset_state()
+    with pytest.raises(AttributeError, match=r"no attribute `device`: the shared state is empty\. This"):
+        accelerator.prepare(torch.nn.Linear(1, 1))

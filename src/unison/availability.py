@@ -37,6 +37,11 @@ def is_xpu_available(check_device: bool = False) -> bool:
     return hasattr(torch, "xpu") and torch.xpu.is_available()
 
 
+def is_hpu_available() -> bool:
+    """Whether Habana's PyTorch bridge is installed and torch sees a Gaudi device."""
+    return _installed("habana_frameworks") and hasattr(torch, "hpu") and torch.hpu.is_available()
+
+
 def is_bf16_available(ignore_tpu: bool = False) -> bool:
     """Whether bf16 runs here: the CUDA device supports it, or the computation is on the CPU."""
     del ignore_tpu  # no TPU support in unison

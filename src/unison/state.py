@@ -521,8 +521,14 @@ class AcceleratorState:
         self.initialized = True
 
     def __getattr__(self, name: str) -> Any:
-        if name.startswith("__") or name == "partial":
+        if name.startswith("__"):
             raise AttributeError(name)
+        if "partial" not in self.__dict__:
+            raise AttributeError(
+                f"`AcceleratorState` object has no attribute `{name}`: the shared state is empty. This "
+                "happens if `AcceleratorState._reset_state()` was called after the Accelerator was built "
+                "(or no Accelerator was built yet): build the Accelerator again before using it."
+            )
         return getattr(self.partial, name)
 
     @classmethod
