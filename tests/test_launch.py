@@ -323,6 +323,8 @@ def test_notebook_launcher():
             "device": "cpu",
         }
         assert f"[rank{rank}]: worker {rank} of 2" in result.stdout.splitlines()
+    c10d = [report["c10d"][str(rank)] for rank in range(2)]  # rdzv_backend="c10d", monitor_interval=0.01
+    assert [(r["world"], r["sum"]) for r in c10d] == [(2, 3.0), (2, 3.0)]  # 1 + 2 over the c10d group
     assert report["failure"].startswith("notebook_launcher: rank 1 failed first:")
     assert "ValueError: notebook failure on rank 1" in report["failure"]
     assert report["failure_seconds"] < 20  # the barrier's timeout is 60 s

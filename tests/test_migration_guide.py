@@ -532,9 +532,7 @@ def test_the_signature_differences_the_notes_describe():
     assert "safe_serialization" not in _parameters(Accelerator.save_state)
     assert {"strict", "missing_ok"} <= _parameters(Accelerator.load_state)
     assert "load_kwargs" not in _parameters(Accelerator.load_state)
-    assert not {"rdzv_backend", "rdzv_endpoint", "rdzv_conf", "rdzv_id", "monitor_interval"} & _parameters(
-        unison.notebook_launcher
-    )
+    assert "log_line_prefix_template" not in _parameters(unison.notebook_launcher)
     assert not {"slice_fn_for_dispatch", "use_stateful_dataloader", "torch_device_mesh"} & _parameters(
         unison.prepare_data_loader
     )

@@ -54,7 +54,12 @@ def notebook_launcher(
     master_addr: str = "127.0.0.1",
     node_rank: int = 0,
     num_nodes: int = 1,
+    rdzv_backend: str = "static",
+    rdzv_endpoint: str = "",
+    rdzv_conf: dict[str, Any] | None = None,
+    rdzv_id: str = "unison-notebook",
     max_restarts: int = 0,
+    monitor_interval: float = 0.1,
     cpu: bool = False,
 ) -> dict[int, Any]:
     """Run `function(*args)` in `num_processes` processes on this node; return {rank: its return value}.
@@ -74,7 +79,14 @@ def notebook_launcher(
             "workers would inherit it instead of forming their group. Create the Accelerator inside "
             "the function you launch, and restart the notebook kernel to clear the existing one."
         )
-    if num_nodes > 1 and (use_port is None or not 0 <= node_rank < num_nodes):
+    if rdzv_backend not in ("static", "c10d"):
+        raise ValueError(
+            f"rdzv_backend={rdzv_backend!r}: give 'static' (node ranks as given) or 'c10d' (ranks in the "
+            "order the nodes join)."
+        )
+    if not monitor_interval > 0:
+        raise ValueError(f"monitor_interval={monitor_interval!r}: give the seconds between checks, > 0.")
+    if num_nodes > 1 and not rdzv_endpoint and (use_port is None or not 0 <= node_rank < num_nodes):
         raise ValueError(
             f"num_nodes={num_nodes} with node_rank={node_rank} and use_port={use_port}: on several "
             "machines every call needs the same master_addr and use_port (node 0's address and a free "
@@ -87,9 +99,18 @@ def notebook_launcher(
         if nproc == 1 and num_nodes == 1:
             with exported(env):
                 return {0: function(*args)}
-        endpoint = f"{master_addr}:{int(use_port) if use_port is not None else free_loopback_port()}"
+        port = int(use_port) if use_port is not None else free_loopback_port()
+        endpoint = rdzv_endpoint or f"{master_addr}:{port}"
+        rendezvous = {
+            "rdzv_backend": rdzv_backend,
+            "rdzv_endpoint": endpoint,
+            "rdzv_configs": {"rank": node_rank} if rdzv_backend == "static" else dict(rdzv_conf or {}),
+            "run_id": rdzv_id,
+        }
         with exported(env):
-            return _launch_workers(function, tuple(args), nproc, num_nodes, node_rank, endpoint, max_restarts)
+            return _launch_workers(
+                function, tuple(args), nproc, num_nodes, rendezvous, max_restarts, monitor_interval
+            )
 
 
 def _launch_workers(
@@ -97,9 +118,9 @@ def _launch_workers(
     args: tuple,
     nproc: int,
     num_nodes: int,
-    node_rank: int,
-    endpoint: str,
+    rendezvous: dict[str, Any],
     max_restarts: int,
+    monitor_interval: float,
 ) -> dict[int, Any]:
     start_method = "fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn"
     if start_method == "fork" and torch.cuda.is_initialized():
@@ -112,11 +133,9 @@ def _launch_workers(
             min_nodes=num_nodes,
             max_nodes=num_nodes,
             nproc_per_node=nproc,
-            run_id="unison-notebook",
-            rdzv_backend="static",
-            rdzv_endpoint=endpoint,
-            rdzv_configs={"rank": node_rank},
+            **rendezvous,
             max_restarts=max_restarts,
+            monitor_interval=monitor_interval,
             start_method=start_method,
             # tee: the workers' output reaches this process's sys.stdout, i.e. the notebook cell
             logs_specs=DefaultLogsSpecs(log_dir=log_dir, tee=Std.ALL),

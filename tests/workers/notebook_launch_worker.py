@@ -36,6 +36,10 @@ def fail_on_rank_1():
 
 
 report = {"results": notebook_launcher(train, (10,), num_processes=2, mixed_precision="bf16", cpu=True)}
+# Accelerate's rendezvous and monitoring arguments: a c10d rendezvous, a 10 ms watch
+report["c10d"] = notebook_launcher(
+    train, (1,), num_processes=2, cpu=True, rdzv_backend="c10d", monitor_interval=0.01
+)
 start = time.monotonic()
 try:
     notebook_launcher(fail_on_rank_1, num_processes=2, cpu=True)
