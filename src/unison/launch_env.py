@@ -25,8 +25,9 @@ CPU = "UNISON_CPU"
 TIMEOUT = "UNISON_TIMEOUT"
 PARALLELISM = "UNISON_PARALLELISM"
 PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}, from Accelerate's flags
+LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
 
-ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM, PLUGIN)
+ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM, PLUGIN, LAUNCHER_PID)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

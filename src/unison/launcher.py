@@ -331,6 +331,7 @@ def worker_environment(
     if "OMP_NUM_THREADS" not in os.environ:
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
         env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
+    env[launch_env.LAUNCHER_PID] = str(os.getpid())  # the agent runs here: the workers' parent
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # c10d only: fresh store per restart attempt
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
     return env

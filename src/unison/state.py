@@ -115,14 +115,18 @@ def _end_with_the_launcher() -> None:
     torch's elastic agent starts each worker in a session of its own, so when the agent itself is
     killed (SIGKILL, the OOM killer, a scheduler's kill) the workers would live on as orphans: still
     training, still writing checkpoints, racing the restarted job. PR_SET_PDEATHSIG ties each worker
-    to the agent that started it.
+    to the agent that started it. The launcher's pid comes from `unison launch` (launch_env.LAUNCHER_PID),
+    fixed when it started the workers: read here instead, the parent pid may already be init's (or a
+    subreaper's) if the launcher was killed while this worker was still importing, and the check would pass.
     """
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    launcher = os.getppid()
+    exported = os.environ.get(launch_env.LAUNCHER_PID, "")
+    launcher = int(exported) if exported.isdigit() else os.getppid()  # plain torchrun: the best we know
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() != launcher:  # the launcher died before the line above took effect
+        print(f"unison: the launcher (pid {launcher}) is gone; this worker ends.", file=sys.stderr)
         os._exit(1)
 
 
