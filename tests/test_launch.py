@@ -430,3 +430,36 @@ def test_a_worker_whose_launcher_is_already_gone_ends_at_once():
     env[launch_env.LAUNCHER_PID] = str(os.getpid())  # the real parent: the worker goes on
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "still running" in result.stdout, describe(result)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    return "\nState:\tZ" not in state  # a zombie has ended; init reaps it
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+@pytest.mark.parametrize("kill_after", [0.5, 2.0, 6.0])
+def test_a_launcher_killed_at_any_moment_leaves_no_worker_behind(tmp_path, kill_after):
+    """SIGKILL the launcher while its workers are being started, importing, or forming the group."""
+    command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", "2", "--cpu"]
+    command += ["tests/workers/orphan_worker.py", str(tmp_path)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL}
+    launcher_process = subprocess.Popen(command, cwd=REPO_ROOT, env=env, **quiet)
+    time.sleep(kill_after)
+    launcher_process.kill()
+    launcher_process.wait()
+    deadline = time.monotonic() + 30  # a worker still importing torch ends when it reaches PartialState
+    workers = []
+    while time.monotonic() < deadline:
+        workers = [int(p.stem) for p in tmp_path.glob("*.pid")]
+        if not any(_alive(pid) for pid in workers):
+            break
+        time.sleep(0.2)
+    left = [pid for pid in workers if _alive(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"workers {left} outlived their launcher killed after {kill_after} s"
