@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from launching import REPO_ROOT, launch_ok
+from launching import REPO_ROOT, WORKERS, launch_ok
 
 WORKER = Path(__file__).parent / "workers" / "resume_worker.py"
 
@@ -111,3 +112,19 @@ def test_resume_on_another_number_of_processes_follows_the_same_trajectory(tmp_p
         out = tmp_path / f"resumed{nproc}.pt"
         train(nproc, project, out, accum, *common)
         assert max_diff(params(out), params(reference)) < 1e-5, (nproc, accum)
+
+
+def test_mid_epoch_resume_on_other_processes_and_accumulation_keeps_the_windows(tmp_path):
+    """2 processes x accumulation 2, saved at step 3 (mid-epoch), resumed on 1 process x accumulation 4:
+    the same 18 optimizer steps and parameters as the uninterrupted 1-process run (the saved micro-step
+    count, 6 of k=2, ended the resumed run's first k=4 window after 2 micro-batches: 19 steps, 1.2e-2 off)."""
+    worker = WORKERS / "resize_window_worker.py"
+    launch_ok(worker, 2, tmp_path / "saved", 2, "-")
+    launch_ok(worker, 1, tmp_path / "whole", 4, "-")
+    launch_ok(worker, 1, tmp_path / "resumed", 4, tmp_path / "saved" / "ckpt_3")
+    whole, resumed = (
+        json.loads((tmp_path / run / "result.json").read_text()) for run in ("whole", "resumed")
+    )
+    assert whole["steps"] == resumed["steps"] == 18
+    for name, values in whole["params"].items():
+        assert torch.allclose(torch.tensor(resumed["params"][name]), torch.tensor(values), atol=1e-6), name

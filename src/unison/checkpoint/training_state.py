@@ -71,8 +71,35 @@ def _replicated_parts(accelerator: Accelerator) -> dict[str, Any]:
 def _counters(accelerator: Accelerator) -> dict[str, Any]:
     return {
         "step": accelerator.step,
+        "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        "world_size": PartialState().num_processes,
         "optimizer_steps": [optimizer.num_steps_taken for optimizer in accelerator._optimizers],
     }
+
+
+def _micro_step(counters: dict[str, Any], accelerator: Accelerator, directory: Path) -> int:
+    """Accelerator.step for the resumed run: the micro-steps into the accumulation window decide where the
+    next window ends (step % k == 0), so they must count in this run's micro-steps.
+
+    Saved at the end of an optimizer step (the usual place) the resumed run starts a fresh window: 0, on
+    any number of processes and accumulation (the saved count, e.g. 6 micro-steps of k=2, would otherwise
+    end the first window of a k=4 run after 2 micro-batches). Saved inside a window, the count carries over
+    only to the same processes and accumulation; elsewhere it is refused, on every process alike.
+    """
+    step, saved_k = counters["step"], counters.get("gradient_accumulation_steps")
+    saved_world = counters.get("world_size", PartialState().num_processes)
+    if saved_k is None:  # a checkpoint from before these counters: as it was saved
+        return step
+    if step % saved_k == 0:
+        return 0
+    if (saved_k, saved_world) == (accelerator.gradient_accumulation_steps, PartialState().num_processes):
+        return step
+    raise CheckpointError(
+        f"{directory} was saved {step % saved_k} micro-batches into an accumulation window of {saved_k} on "
+        f"{saved_world} processes; this run accumulates {accelerator.gradient_accumulation_steps} on "
+        f"{PartialState().num_processes}, so that window cannot be continued. Resume it with the saved "
+        "processes and accumulation, or save at the end of an optimizer step (when sync_gradients is True)."
+    )
 
 
 def _model_parts(accelerator: Accelerator) -> tuple[dict[str, tuple[torch.nn.Module, Any]], set[str]]:
@@ -314,10 +341,11 @@ def load_training_state(accelerator: Accelerator, directory: Path, strict: bool 
     failure = read_error or stage_error
     failure = failure or _fit_error(parts, model_parts, sharded_parts, loaded, strict, model_keys)
     raise_if_any_process_failed(failure, f"loading {directory}")
+    counters = loaded[COUNTERS_FILE]
+    micro_step = _micro_step(counters, accelerator, directory)  # refused before anything is applied
     for name, part in parts.items():
         _apply(name, part, model_parts, sharded_parts, staged, loaded, strict)
-    counters = loaded[COUNTERS_FILE]
-    accelerator.step = counters["step"]
+    accelerator.step = micro_step
     for optimizer, steps in zip(accelerator._optimizers, counters["optimizer_steps"]):
         optimizer.num_steps_taken = steps
     _load_rng_state(directory, manifest)
