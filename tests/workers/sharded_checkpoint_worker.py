@@ -60,6 +60,7 @@ class Run:
         self._load_state_pre_hooks: dict = {}
         self.scaler = None
         self.step = 0
+        self.gradient_accumulation_steps = 1
         self.device = torch.device("cpu")
 
     @property
