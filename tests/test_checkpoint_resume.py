@@ -128,3 +128,29 @@ def test_mid_epoch_resume_on_other_processes_and_accumulation_keeps_the_windows(
     assert whole["steps"] == resumed["steps"] == 18
     for name, values in whole["params"].items():
         assert torch.allclose(torch.tensor(resumed["params"][name]), torch.tensor(values), atol=1e-6), name
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_a_save_inside_an_accumulation_window_resumes_only_with_the_same_accumulation(tmp_path):
+    from unison import Accelerator, AcceleratorState, CheckpointError, GradientState, PartialState
+
+    def prepared(accumulation: int):
+        for state in (PartialState, AcceleratorState, GradientState):
+            state._reset_state()
+        accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
+        model = torch.nn.Linear(2, 1)
+        return accelerator, *accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+
+    accelerator, model, optimizer = prepared(2)
+    with accelerator.accumulate(model):  # one micro-batch of a window of 2
+        accelerator.backward(model(torch.ones(1, 2)).sum())
+    assert not accelerator.sync_gradients
+    saved = accelerator.save_state(tmp_path / "inside")
+    accelerator, model, optimizer = prepared(2)
+    accelerator.load_state(saved)  # the same accumulation: the window goes on
+    assert accelerator.step == 1
+    accelerator, model, optimizer = prepared(4)
+    before = model.weight.detach().clone()
+    with pytest.raises(CheckpointError, match="1 micro-batches into an accumulation window of 2 on 1"):
+        accelerator.load_state(saved)
+    assert torch.equal(model.weight, before)  # refused before anything was applied
