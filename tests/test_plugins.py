@@ -194,8 +194,9 @@ def test_accelerator_arguments_and_plugins_must_agree(monkeypatch):
         )
     with pytest.raises(TypeError, match="use unison's FullyShardedDataParallelPlugin"):
         Accelerator(cpu=True, fsdp_plugin=object())
-    monkeypatch.setenv("WORLD_SIZE", "4")  # what the launcher tells a worker: the plugin's layout
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    torchrun = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "4", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in torchrun.items():  # what the launcher tells a worker: the plugin's layout
+        monkeypatch.setenv(name, value)
     plugin = DeepSpeedPlugin(hf_ds_config={"gradient_accumulation_steps": 4})
     assert resolve_plugins((None, plugin, None), None, "bf16", 4) == (
         ParallelismConfig(zero_stage=2),
@@ -207,6 +208,14 @@ def test_accelerator_arguments_and_plugins_must_agree(monkeypatch):
         zero_stage=3, dp_shard_size=2
     )
     assert resolve_plugins((None, None, None), "ddp", None, None)[0] == "ddp"  # code beats the launcher
+    for name in torchrun:  # srun's variables instead of torchrun's
+        monkeypatch.delenv(name)
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2"}
+    for name, value in {**slurm, "SLURM_NODELIST": "n1", "SLURM_JOB_ID": "1"}.items():
+        monkeypatch.setenv(name, value)
+    assert resolve_plugins((None, None, None), None, None, None)[0] == ParallelismConfig(
+        zero_stage=3, dp_shard_size=2
+    )
     monkeypatch.setenv(launch_env.PLUGIN, '{"megatron": {}}')
     with pytest.raises(ValueError, match="UNISON_PLUGIN=.* is not a plugin as `unison launch` writes it"):
         resolve_plugins((None, None, None), None, None, None)

@@ -20,6 +20,7 @@ import os
 from typing import Any
 
 from .. import launch_env
+from ..environment import detect_layout
 from ..parallel.config import ParallelismConfig
 from .deepspeed import DeepSpeedPlugin
 from .fsdp import FullyShardedDataParallelPlugin
@@ -89,9 +90,10 @@ def resolve_plugins(
         plugin = plugin_from_env()
         fsdp_plugin = plugin if isinstance(plugin, FullyShardedDataParallelPlugin) else None
         deepspeed_plugin = plugin if isinstance(plugin, DeepSpeedPlugin) else None
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", str(world_size)))
-    asked = plugin_layout(fsdp_plugin, deepspeed_plugin, deepspeed_plugins, world_size, per_node)
+    layout = detect_layout()  # torchrun's or SLURM's variables: the process group is not formed yet
+    asked = plugin_layout(
+        fsdp_plugin, deepspeed_plugin, deepspeed_plugins, layout.world_size, layout.local_world_size
+    )
     if asked is None:
         return parallelism, mixed_precision, gradient_accumulation_steps
     return (
