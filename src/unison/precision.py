@@ -33,9 +33,7 @@ class PrecisionPolicy:
         self.mixed_precision = mixed_precision
         self.device_type = device.type
         self.dtype = AUTOCAST_DTYPES.get(mixed_precision)
-        autocast_kwargs = dict(autocast_kwargs or {})
-        self.autocast_enabled = autocast_kwargs.pop("enabled", True)
-        self.autocast_options = {k: v for k, v in autocast_kwargs.items() if v is not None}
+        self.autocast_enabled, self.autocast_options = _autocast_settings(autocast_kwargs or {})
         self.scaler = (
             torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {}))
             if mixed_precision == "fp16"
@@ -51,8 +49,7 @@ class PrecisionPolicy:
         AutocastKwargs' fields) replace the run's own autocast options for this context."""
         enabled, options = self.autocast_enabled, self.autocast_options
         if handler_kwargs is not None:
-            options = {k: v for k, v in handler_kwargs.items() if v is not None}
-            enabled = options.pop("enabled", True)
+            enabled, options = _autocast_settings(handler_kwargs)
         if not (enabled and self.enabled):
             return contextlib.nullcontext()
         return torch.autocast(device_type=self.device_type, dtype=self.dtype, **options)
@@ -81,3 +78,9 @@ class PrecisionPolicy:
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.float() if tensor.dtype in (torch.float16, torch.bfloat16) else tensor
+
+
+def _autocast_settings(kwargs: dict[str, Any]) -> tuple[bool, dict[str, Any]]:
+    """(enabled, torch.autocast's other options) of AutocastKwargs' fields; None means torch's default."""
+    options = {k: v for k, v in kwargs.items() if v is not None}
+    return options.pop("enabled", True), options
