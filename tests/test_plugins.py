@@ -270,13 +270,14 @@ def test_launch_flags_that_contradict_are_refused_before_any_worker(flags, messa
     [
         (["--use_fsdp", "--fsdp_offload_params", "true"], "FullyShardedDataParallelPlugin(cpu_offload=True)"),
         (["--use_deepspeed", "--offload_optimizer_device", "cpu"], "(offload_optimizer_device='cpu')"),
-        (["--nproc-per-node", "3", "--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD"], None),
+        (["--nproc-per-node", "3", "--use_fsdp", "--fsdp_sharding_strategy", "HYBRID_SHARD"], 3),
+        (["--nproc-per-node", "1", "--use_fsdp"], 1),  # one process: nothing to shard, as in code
     ],
 )
 def test_launch_checks_the_plugin_against_the_processes_before_any_worker(flags, message):
     options = launch_options(*flags)
-    if message is None:
-        assert validate(options) == 3  # one node of 3: HYBRID_SHARD shards over the node's 3
+    if isinstance(message, int):
+        assert validate(options) == message  # one node of 3: HYBRID_SHARD shards over the node's 3
         return
     with pytest.raises(LaunchError, match=re.escape(message)):
         validate(options)

@@ -38,7 +38,7 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, P
 
 from . import launch_env
 from .parallel.config import ParallelismConfig, is_auto
-from .plugins import read_plugin
+from .plugins import layout_of, read_plugin
 from .state import validate_mixed_precision
 
 logger = logging.getLogger("unison")
@@ -227,9 +227,10 @@ def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int,
 def _validate_plugin(plugin: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
     """Read the plugin as the workers will, and with a fixed node count check the layout it names."""
     try:
-        layout = read_plugin(plugin).layout(nproc_per_node).parallelism
+        world = nproc_per_node * max_nodes
+        layout = layout_of(read_plugin(plugin), world, nproc_per_node).parallelism
         if min_nodes == max_nodes:
-            layout.validate(nproc_per_node * max_nodes)
+            layout.validate(world)
     except (ValueError, TypeError) as error:
         raise LaunchError(str(error)) from None
 

@@ -38,11 +38,7 @@ def plugin_layout(
     num_processes: int,
     processes_per_node: int,
 ) -> PluginLayout | None:
-    """The layout the Accelerator's plugin arguments ask for, or None without a plugin.
-
-    In a single process (the same script run as plain `python train.py`) there is nothing to shard: the
-    plugin's options are still checked, and its precision and accumulation still apply.
-    """
+    """The layout the Accelerator's plugin arguments ask for (`layout_of`), or None without a plugin."""
     if deepspeed_plugins is not None:
         raise ValueError(
             "Accelerator(deepspeed_plugins=...): several DeepSpeed configurations in one run (one per model) "
@@ -60,6 +56,15 @@ def plugin_layout(
             f"Accelerator got a {type(plugin).__module__}.{type(plugin).__name__} as a plugin: use unison's "
             "FullyShardedDataParallelPlugin / DeepSpeedPlugin (same fields: `from unison.utils import ...`)."
         )
+    return layout_of(plugin, num_processes, processes_per_node)
+
+
+def layout_of(
+    plugin: FullyShardedDataParallelPlugin | DeepSpeedPlugin, num_processes: int, processes_per_node: int
+) -> PluginLayout:
+    """What `plugin` asks of a run of `num_processes`. In a single process (the same script run as plain
+    `python train.py`) there is nothing to shard: the plugin's options are still checked, and its
+    precision and accumulation still apply."""
     asked = plugin.layout(processes_per_node)
     if num_processes == 1:
         return PluginLayout(ParallelismConfig(), asked.mixed_precision, asked.gradient_accumulation_steps)
