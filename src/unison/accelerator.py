@@ -302,8 +302,9 @@ class Accelerator(
     def scaler(self) -> torch.amp.GradScaler | None:
         return self.precision.scaler
 
-    def wait_for_everyone(self) -> None:
-        self.state.wait_for_everyone()
+    def wait_for_everyone(self, name: str | None = None) -> None:
+        """Barrier over every process; `name` labels it in a hang report (which ranks never arrived)."""
+        self.state.wait_for_everyone(name)
 
     def main_process_first(self) -> contextlib.AbstractContextManager:
         return self.state.main_process_first()

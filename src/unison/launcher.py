@@ -84,6 +84,7 @@ class LaunchOptions:
     mixed_precision: str | None = None
     gradient_accumulation_steps: int | None = None
     timeout: float | None = None
+    debug: bool = False  # --debug: check every collective across ranks (launch_env.DEBUG)
     parallelism: str | None = None
     plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
 
@@ -403,6 +404,8 @@ def launch(options: LaunchOptions) -> int:
             parallelism=options.parallelism,
             plugin=options.plugin,
         )
+        if options.debug:
+            env[launch_env.DEBUG] = "1"
         with exported(env), _quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:
@@ -415,45 +418,57 @@ def launch(options: LaunchOptions) -> int:
     return 0
 
 
-def _failed_at(failure: ProcessFailure) -> float:
-    """When a worker failed: unison's exact time from its error file, else torch's whole seconds."""
+def _unison_record(failure: ProcessFailure) -> dict:
+    """What unison's failure hook wrote in the worker's error file (empty when it wrote nothing)."""
     message = failure.error_file_data.get("message")
-    if isinstance(message, dict):
-        return float(message.get("extraInfo", {}).get("unison_failed_at", failure.timestamp))
-    return float(failure.timestamp)
+    return message.get("extraInfo", {}) if isinstance(message, dict) else {}
 
 
 def cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
     """The rank whose failure caused the others.
 
     When one worker fails, torch's agent SIGTERMs the rest, and those show up as failures too, with
-    torch's whole-second timestamps that often sort before the real one. So a rank that exited with
-    an error code (it raised; unison recorded the exact time) is the cause before any rank ended by a
-    signal, and SIGTERM (the agent's own) comes last; within a kind, the earliest failure wins.
+    torch's whole-second timestamps that often sort before the real one. So a rank whose own failure
+    unison recorded (it raised, or its watchdog reported a hang; with the exact time) comes first, then
+    a rank that ended by a signal of its own (SIGKILL by the OOM killer, SIGSEGV), then the ranks that
+    ended as a consequence (a peer went away, the watchdog ended them), and SIGTERM (the agent's own)
+    last; within a kind, the earliest failure wins.
     """
 
-    def kind(failure: ProcessFailure) -> int:
-        if failure.exitcode > 0:
-            return 0
-        return 2 if failure.exitcode == -signal.SIGTERM else 1  # SIGKILL (OOM), SIGSEGV, ...: their own
+    def kind(failure: ProcessFailure) -> tuple[int, float]:
+        record = _unison_record(failure)
+        at = float(record.get("unison_failed_at", failure.timestamp))
+        if record and not record.get("unison_consequence"):
+            return 0, at
+        if failure.exitcode > 0 and not record:
+            return 1, at
+        if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
+            return 2, at
+        return (3 if record else 4), at
 
-    return min(failures, key=lambda rank: (kind(failures[rank]), _failed_at(failures[rank])))
+    return min(failures, key=lambda rank: kind(failures[rank]))
 
 
 def _report_failure(error: ChildFailedError) -> int:
-    """Name the rank that failed first (the cause; its peers usually fail because it went away)."""
+    """Name the rank that failed first (the cause; its peers usually fail because it went away).
+
+    The exit code is left out when unison recorded the failure itself: the agent may have SIGTERMed
+    the rank while it ran its exit handlers, and "-15" would then mislead.
+    """
     rank = cause_rank(error.failures)
     failure = error.failures[rank]
     others = sorted(r for r in error.failures if r != rank)
     cause = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
+    cause = "" if cause.startswith("To enable traceback") else cause.rstrip(".")
+    how = "" if _unison_record(failure) else f", with exit code {failure.exitcode}"
     logger.error(
-        "unison launch: rank %d (local rank %d, pid %d) failed first, with exit code %d%s. Its output above "
-        "is prefixed [rank%d]:.%s",
+        "unison launch: rank %d (local rank %d, pid %d) failed first%s%s. Its output above is prefixed "
+        "[rank%d]:.%s",
         rank,
         failure.local_rank,
         failure.pid,
-        failure.exitcode,
-        f": {cause}" if cause and not cause.startswith("To enable traceback") else "",
+        how,
+        f": {cause}" if cause else "",
         rank,
         f" Ranks {others} were stopped or failed after it." if others else "",
     )

@@ -174,8 +174,11 @@ def _first_failure(log_dir: str) -> tuple[str, str] | None:
     for path in Path(log_dir).rglob("error.json"):
         with contextlib.suppress(OSError, ValueError, KeyError, TypeError):
             info = json.loads(path.read_text())["message"]["extraInfo"]
-            failures.append((float(info["unison_failed_at"]), info["unison_rank"], info["py_callstack"]))
-    return min(failures)[1:] if failures else None
+            consequence = bool(info.get("unison_consequence"))  # another rank's end caused it: sorts last
+            failures.append(
+                (consequence, float(info["unison_failed_at"]), info["unison_rank"], info["py_callstack"])
+            )
+    return min(failures)[2:] if failures else None
 
 
 def _torch_failure(error: ChildFailedError) -> tuple[str, str]:

@@ -6,13 +6,16 @@ structure with its own type. With one process they are identities (or their triv
 script behaves the same under `python` and under `unison launch`.
 
 Safety: a collective fed tensors of different shapes on different processes hangs or returns garbage.
-So `gather`, `reduce`, `broadcast` and `pad_across_processes` first run ONE tiny collective per call:
-every process hashes the description (path, dtype, shape) of all its leaves and one all_reduce(MAX) of
+What each process knows alone is checked on every call for free (every leaf is a tensor). The
+cross-process check runs in debug mode only (`unison launch --debug`, UNISON_DEBUG=1): `gather`,
+`reduce`, `broadcast` and `pad_across_processes` then first run ONE tiny collective per call: every
+process hashes the description (path, dtype, shape) of all its leaves and one all_reduce(MAX) of
 (hash, -hash) tells everyone whether all hashes are equal. When they differ, every process gathers the
-full descriptions and raises the same ValueError naming each rank's shapes, and the process group
-stays usable. Measured on gloo (2-core machine, medians): 0.7 ms with 2 processes and 1.0 ms with 3,
-against 2.1 / 4.9 ms for all_gather_object of the shapes (two collectives plus pickling) and
-0.7 / 2.3 ms for an all_gather of the hashes.
+full descriptions and raises the same DistributedOperationException naming each rank's shapes, and the
+process group stays usable. By default a mismatch is left to the hang watchdog, which reports ranks
+blocked in one collective with different shapes within seconds (`watchdog.py`): the check costs an
+extra collective and, on CUDA, a `.tolist()` that synchronises the stream every call (see
+benchmarks/debug_mode.py for both modes' cost).
 
 Devices: NCCL can only communicate tensors on the process's own GPU, so under NCCL a tensor on
 another device (e.g. the CPU) is copied to `PartialState().device` for the collective. Results come
@@ -33,7 +36,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .state import PartialState
+from .state import PartialState, debug_mode
 
 REDUCTIONS = {
     "sum": dist.ReduceOp.SUM,
@@ -291,8 +294,9 @@ def _digest(description: list[Any]) -> int:
 def _check_agreement(
     op: str, data: Any, state: PartialState, compare: Callable[[_Leaf], Any] | None = None
 ) -> list[_Leaf]:
-    """Raise the same ValueError on every process unless the leaves' descriptions (path, dtype, shape),
-    or what `compare` keeps of them, agree on every process.
+    """In debug mode, raise the same ValueError on every process unless the leaves' descriptions (path,
+    dtype, shape), or what `compare` keeps of them, agree on every process; in any mode, refuse leaves
+    that are not tensors.
 
     The hash also covers `op`, so processes calling different collectives are caught too.
     One all_reduce(MAX) of (hash, -hash) when all is well: the hashes agree iff max == min. On
@@ -300,7 +304,7 @@ def _check_agreement(
     shapes. Returns this process's description.
     """
     description = _describe(data)
-    if state.num_processes > 1:
+    if state.num_processes > 1 and debug_mode():
         agreed = description if compare is None else [compare(leaf) for leaf in description]
         digest = _digest([op, agreed])
         extremes = _comm(torch.tensor([digest, -digest], dtype=torch.int64), state)

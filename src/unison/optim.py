@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from . import watchdog
 from .state import GradientState
 
 
@@ -104,6 +105,7 @@ class AcceleratedOptimizer(torch.optim.Optimizer):
         if not self.gradient_state.sync_gradients:
             return None
         self._unscaled = False
+        watchdog.first_step_done()  # the shorter stall timeout applies from the next wait on
         if self.scaler is None:
             self.step_was_skipped = False
             self.num_steps_taken += 1

@@ -14,13 +14,10 @@ import ctypes
 import enum
 import functools
 import gc
-import json
 import logging
 import os
 import signal
 import sys
-import time
-import traceback
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
@@ -30,10 +27,21 @@ import torch.distributed as dist
 
 from . import launch_env
 from .environment import ProcessLayout, detect_layout
+from .failure import end_fast_on_uncaught_error
+from .watchdog import Watchdog
 
 logger = logging.getLogger("unison")
 
-DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_TIMEOUT_SECONDS = 300.0
+"""How long a rank may wait in one collective once training runs (after the first optimizer step)
+before the hang watchdog reports a stall: a step, an evaluation or a checkpoint that rank 0 writes alone
+while the others wait fits in it on any reasonable setup."""
+DEFAULT_FIRST_STEP_TIMEOUT_SECONDS = 900.0
+"""The same limit until the first optimizer step: start-up may compile, warm data pipelines up or have
+rank 0 download what the others wait for. An explicit timeout applies to both."""
+BACKSTOP_SECONDS = 60.0
+"""The process group's own timeout is the watchdog's limit plus this: it ends the waits the watchdog
+cannot see (collectives torch issues from C++, such as DDP's in backward)."""
 
 
 class DistributedType(str, enum.Enum):
@@ -105,8 +113,19 @@ def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
         timeout=timeout,
         wait_for_workers=False,
     )
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"unison/attempt{attempt}/", store)
+    return dist.PrefixStore(_attempt_prefix(), store)
+
+
+def _attempt_prefix() -> str:
+    """The store keys of this restart attempt (torch's agent counts the attempts)."""
+    return f"unison/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+
+
+def debug_mode() -> bool:
+    """`unison launch --debug` / UNISON_DEBUG=1 (or Accelerate's ACCELERATE_DEBUG_MODE): every collective
+    is checked across ranks before it runs (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, and unison's ops
+    compare their inputs' shapes), so ranks that call different collectives fail at once, on every rank."""
+    return launch_env.env_bool(launch_env.DEBUG, False) or launch_env.env_bool("ACCELERATE_DEBUG_MODE", False)
 
 
 def _end_with_the_launcher() -> None:
@@ -128,48 +147,6 @@ def _end_with_the_launcher() -> None:
     if os.getppid() != launcher:  # the launcher died before the line above took effect
         print(f"unison: the launcher (pid {launcher}) is gone; this worker ends.", file=sys.stderr)
         os._exit(1)
-
-
-def _exit_whole_process_on_uncaught_error() -> None:
-    """Make an uncaught exception end this process at once, so its peers fail fast instead of hanging.
-
-    A rank that raises while a non-daemon thread lives (a DataLoader worker feeder, a logger) would
-    otherwise stay alive; its peers then wait in a collective until the timeout. Printing the
-    traceback and calling os._exit closes the sockets: the peers error out within a second.
-    """
-    previous_hook = sys.excepthook
-    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "?"))
-
-    def hook(exc_type, exc, tb):
-        if issubclass(exc_type, KeyboardInterrupt):
-            if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reached the launcher, which says so once
-                os._exit(128 + signal.SIGINT)
-            previous_hook(exc_type, exc, tb)
-        else:
-            text = "".join(traceback.format_exception(exc_type, exc, tb))
-            sys.stderr.write(f"[unison] rank {rank} failed:\n{text}")
-            _record_for_the_elastic_agent(rank, f"{exc_type.__name__}: {exc}", text)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(1)
-
-    sys.excepthook = hook
-
-
-def _record_for_the_elastic_agent(rank: str, message: str, text: str) -> None:
-    """Write the error file torch's elastic agent reads (as its @record would), with the exact time.
-
-    torch's own timestamp has whole seconds, too coarse to tell the rank that failed first from the
-    peers that failed 0.2 s later because it went away; `unison launch` and `notebook_launcher` name
-    the rank with the smallest `unison_failed_at`.
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    extra = {"py_callstack": text, "timestamp": str(int(now)), "unison_failed_at": now, "unison_rank": rank}
-    with contextlib.suppress(OSError), open(path, "w") as file:
-        json.dump({"message": {"message": message, "extraInfo": extra}}, file)
 
 
 def _destroy_process_group() -> None:
@@ -244,21 +221,36 @@ class PartialState:
                 )
             self.backend = dist.get_backend()
             self.timeout = None
-            _exit_whole_process_on_uncaught_error()  # a crash must not leave the peers waiting here either
+            end_fast_on_uncaught_error(str(layout.rank), None)  # a crash must not leave the peers waiting
             return
         kwargs: dict[str, Any] = {}
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
+        if debug_mode():
+            dist.set_debug_level(dist.DebugLevel.DETAIL)  # torch checks every collective across ranks
+        first_step = (
+            self.timeout if self._timeout_requested else timedelta(seconds=DEFAULT_FIRST_STEP_TIMEOUT_SECONDS)
+        )
         dist.init_process_group(
             backend=self.backend,
-            store=_rendezvous_store(layout, self.timeout),
+            store=_rendezvous_store(layout, first_step),
             rank=layout.rank,
             world_size=layout.world_size,
-            timeout=self.timeout,
+            timeout=max(first_step, self.timeout) + timedelta(seconds=BACKSTOP_SECONDS),
             **kwargs,
         )
-        atexit.register(_destroy_process_group)
-        _exit_whole_process_on_uncaught_error()
+        watchdog = Watchdog.connect(
+            layout.master_addr,
+            layout.master_port,
+            _attempt_prefix(),
+            layout.rank,
+            layout.world_size,
+            timeout=self.timeout.total_seconds(),
+            first_timeout=first_step.total_seconds(),
+        )
+        watchdog.start()
+        atexit.register(_destroy_process_group)  # runs before the watchdog's exit note (last in, first out)
+        end_fast_on_uncaught_error(str(layout.rank), watchdog)
 
     def _check_compatible(self, cpu: bool | None, timeout: float | timedelta | None) -> None:
         if cpu is not None and bool(cpu) != self.cpu:
@@ -322,8 +314,12 @@ class PartialState:
         return self.process_index == self.num_processes - 1
 
     # -- coordination --------------------------------------------------------------------------
-    def wait_for_everyone(self) -> None:
-        """Barrier: every process waits here until all have arrived (no-op with one process)."""
+    def wait_for_everyone(self, name: str | None = None) -> None:
+        """Barrier: every process waits here until all have arrived (no-op with one process).
+
+        `name` labels the barrier in a hang report: "ranks [0, 2] wait in wait_for_everyone('after-eval'),
+        rank 1 never arrived: it is at eval.py:30". The watchdog reads it from this frame (position.py).
+        """
         if self.use_distributed:
             dist.barrier()
 
@@ -550,6 +546,7 @@ def validate_mixed_precision(value: str) -> str:
     return normalised
 
 
-def wait_for_everyone() -> None:
-    """Barrier over every process (accelerate.utils.wait_for_everyone); a no-op in one process."""
-    PartialState().wait_for_everyone()
+def wait_for_everyone(name: str | None = None) -> None:
+    """Barrier over every process (accelerate.utils.wait_for_everyone); a no-op in one process. `name`
+    labels it in a hang report."""
+    PartialState().wait_for_everyone(name)

@@ -56,6 +56,7 @@ elif mode == "crash":
         dist.broadcast(torch.zeros(1), src=0, group=peers)  # ranks 0 and 1 agree once more...
         if rank == 1:
             time.sleep(0.5)  # let rank 0 block in the next collective first
+            print(f"failing at {time.time()}", flush=True)
             raise RuntimeError("deliberate failure on rank 1")
         dist.all_reduce(torch.zeros(1), group=peers)  # ...then go different ways
         print(f"rank {rank} passed the all_reduce, which must not happen")

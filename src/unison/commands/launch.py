@@ -6,7 +6,7 @@ import argparse
 
 from .. import launch_env
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
-from ..state import DEFAULT_TIMEOUT_SECONDS
+from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from .plugin_flags import add_plugin_flags, plugin_from_flags
 
 DESCRIPTION = """\
@@ -21,6 +21,7 @@ _VARIABLES = [
     (f"{launch_env.MIXED_PRECISION}=no|bf16|fp16", "--mixed-precision"),
     (f"{launch_env.GRADIENT_ACCUMULATION_STEPS}=K", "--gradient-accumulation-steps"),
     (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
+    (f"{launch_env.DEBUG}=1", "--debug"),
     (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
@@ -130,7 +131,15 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         type=float,
         default=None,
         metavar="S",
-        help=f"collective timeout in seconds (default {DEFAULT_TIMEOUT_SECONDS:g})",
+        help="seconds a rank may wait in one collective before the hang watchdog reports it and ends the "
+        f"run (default {DEFAULT_FIRST_STEP_TIMEOUT_SECONDS:g} until the first optimizer step, "
+        f"{DEFAULT_TIMEOUT_SECONDS:g} after)",
+    )
+    training.add_argument(
+        "--debug",
+        action="store_true",
+        help="check every collective's operation and shapes across ranks before it runs (slower): ranks "
+        "that call different collectives fail at once, on every rank",
     )
     training.add_argument(
         "--parallelism",
@@ -177,6 +186,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         mixed_precision=args.mixed_precision,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         timeout=args.timeout,
+        debug=args.debug,
         parallelism=args.parallelism,
         plugin=plugin_from_flags(args),
     )

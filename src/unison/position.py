@@ -1,0 +1,213 @@
+"""Where a process is: in which collective (operation, group, sequence number, shapes), at which line of
+the user's code. The hang watchdog (`watchdog.py`) and the failure hook (`failure.py`) describe every
+rank with it, so a hang is reported as "rank 0 waits in all_reduce #17 of float32[4] at train.py:42;
+rank 1 is at data.py:12 in __getitem__" instead of torch's "Timed out waiting 600000ms".
+
+It reads Python frames only (the main thread's, sampled with `sys._current_frames`, or a traceback's),
+so it costs nothing until asked: no collective is wrapped. A collective is recognised by the public
+function of torch.distributed it was called through (its frame's arguments give the tensors and the
+group); a wait elsewhere inside torch.distributed (FSDP's prefetch, pipeline schedules) is reported as
+"in torch.distributed" with the innermost function. Collectives that torch issues from C++ (DDP's
+gradient all-reduce inside backward) are invisible here: the process group's own timeout is their
+backstop, and the failure hook describes them from the error it raises.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import sysconfig
+import threading
+from dataclasses import asdict, dataclass, field
+from types import FrameType, TracebackType
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
+_DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
+_C10D_FILE = os.path.join(_DISTRIBUTED_DIR, "distributed_c10d.py")
+_UNISON_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
+
+_TENSOR_ARGUMENTS = (
+    "tensor",
+    "tensor_list",
+    "output_tensor",
+    "input_tensor",
+    "output_tensor_list",
+    "input_tensor_list",
+    "output",
+    "input",
+    "scatter_list",
+    "gather_list",
+    "object_list",
+)
+"""Argument names of torch.distributed's collectives whose values describe what is being exchanged."""
+
+
+@dataclass(frozen=True)
+class Position:
+    """One rank's whereabouts; JSON-friendly (the watchdog passes it between ranks through the store).
+
+    kind: "collective" (inside a torch.distributed collective, `op` names it), "distributed" (waiting
+    somewhere else inside torch.distributed) or "running" (anywhere else: computing, loading data).
+    """
+
+    kind: str
+    call_site: str  # innermost frame of the user's code: "train.py:42 in main"
+    innermost: str  # innermost Python frame of all, where the thread actually is
+    op: str = ""
+    shapes: tuple[str, ...] = ()
+    group_ranks: tuple[int, ...] = ()  # empty: every process (the default group)
+    seq: int | None = None  # the group's sequence number after this collective was issued
+    via: str = ""  # unison's function the call went through, e.g. "wait_for_everyone('eval')"
+    frames: tuple[str, ...] = field(default=(), compare=False)  # every frame, for "did it move?"
+
+    @property
+    def waiting(self) -> bool:
+        return self.kind in ("collective", "distributed")
+
+    def same_call(self, other: Position) -> bool:
+        """Whether two ranks are in the very same collective call (what a healthy group does)."""
+        return (self.op, self.shapes, self.group_ranks, self.seq) == (
+            other.op,
+            other.shapes,
+            other.group_ranks,
+            other.seq,
+        )
+
+    def describe(self) -> str:
+        if self.kind == "collective":
+            seq = f" #{self.seq}" if self.seq is not None else ""
+            group = f" over ranks {list(self.group_ranks)}" if self.group_ranks else ""
+            via = f" (through {self.via})" if self.via else ""
+            shapes = f" of {', '.join(self.shapes)}" if self.shapes else ""
+            return f"in {self.op}{seq}{shapes}{group}{via}, called at {self.call_site}"
+        if self.kind == "distributed":
+            return f"waiting inside torch.distributed ({self.innermost}), called at {self.call_site}"
+        return f"at {self.call_site}" + (f", in {self.innermost}" if self.innermost != self.call_site else "")
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Position:
+        return cls(
+            **{
+                **data,
+                "shapes": tuple(data.get("shapes", ())),
+                "group_ranks": tuple(data.get("group_ranks", ())),
+                "frames": tuple(data.get("frames", ())),
+            }
+        )
+
+
+def main_thread_position() -> Position | None:
+    """Where the main thread is now (None if it has no Python frame, e.g. during shutdown)."""
+    frame = sys._current_frames().get(threading.main_thread().ident)
+    if frame is None:
+        return None
+    frames = []
+    while frame is not None:
+        frames.append(frame)
+        frame = frame.f_back
+    return locate(frames[::-1])
+
+
+def traceback_position(tb: TracebackType | None) -> Position | None:
+    """Where an exception was raised, from its traceback (outermost frame first)."""
+    frames = []
+    while tb is not None:
+        frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    return locate(frames) if frames else None
+
+
+def locate(frames: list[FrameType]) -> Position:
+    """Describe a stack, given outermost first."""
+    user = [f for f in frames if _is_user_code(f.f_code.co_filename)]
+    call_site = _show(user[-1]) if user else _show(frames[-1])
+    innermost = _show(frames[-1])
+    lines = tuple(_show(f) for f in frames)
+    via = next((_unison_call(f) for f in frames if f.f_code.co_filename.startswith(_UNISON_DIR)), "")
+    collective = next((f for f in frames if _is_c10d_api(f)), None)
+    if collective is not None:
+        arguments = collective.f_locals
+        group = arguments.get("group")
+        return Position(
+            kind="collective",
+            call_site=call_site,
+            innermost=innermost,
+            op=collective.f_code.co_name,
+            shapes=tuple(s for name in _TENSOR_ARGUMENTS if (s := _shape_of(name, arguments.get(name)))),
+            group_ranks=_group_ranks(group),
+            seq=sequence_number(group),
+            via=via,
+            frames=lines,
+        )
+    in_distributed = [f for f in frames if f.f_code.co_filename.startswith(_DISTRIBUTED_DIR)]
+    if in_distributed:
+        return Position("distributed", call_site, _show(in_distributed[-1]), via=via, frames=lines)
+    return Position("running", call_site, innermost, via=via, frames=lines)
+
+
+def sequence_number(group: Any = None) -> int | None:
+    """How many collectives `group` (None: the default group) has issued on this rank.
+
+    Private torch API (ProcessGroup._get_sequence_number_for_group), pinned by
+    tests/test_torch_private_apis.py: ranks that issued different numbers of collectives on one group
+    have diverged, whatever the collectives were. None where torch does not offer it.
+    """
+    try:
+        pg = group if group is not None else dist.group.WORLD
+        return int(pg._get_sequence_number_for_group())
+    except Exception:  # not initialised, a group this rank is not in, a torch without it
+        return None
+
+
+def _group_ranks(group: Any) -> tuple[int, ...]:
+    if group is None or group is dist.group.WORLD:
+        return ()
+    try:
+        return tuple(dist.get_process_group_ranks(group))
+    except Exception:
+        return ()
+
+
+def _is_c10d_api(frame: FrameType) -> bool:
+    return frame.f_code.co_filename == _C10D_FILE and not frame.f_code.co_name.startswith("_")
+
+
+def _is_user_code(filename: str) -> bool:
+    if filename.startswith("<frozen") or filename.startswith(_TORCH_DIR) or filename.startswith(_UNISON_DIR):
+        return False
+    return not filename.startswith(_STDLIB_DIRS) or "site-packages" in filename
+
+
+def _show(frame: FrameType) -> str:
+    """ "train.py:42 in main": the user's files relative to the working directory, others by base name."""
+    filename = frame.f_code.co_filename
+    shown = os.path.relpath(filename) if _is_user_code(filename) else os.path.basename(filename)
+    return f"{shown}:{frame.f_lineno} in {frame.f_code.co_name}"
+
+
+def _unison_call(frame: FrameType) -> str:
+    name = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)
+    label = frame.f_locals.get("name")
+    return f"{name}({label!r})" if isinstance(label, str) and label else name
+
+
+def _shape_of(name: str, value: Any) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"{name}={_tensor(value)}"
+    if isinstance(value, (list, tuple)) and value and all(isinstance(v, torch.Tensor) for v in value):
+        return f"{name}={len(value)}x{_tensor(value[0])}"
+    if isinstance(value, (list, tuple)) and name == "object_list":
+        return f"{name}={len(value)} objects"
+    return ""
+
+
+def _tensor(tensor: torch.Tensor) -> str:
+    return f"{str(tensor.dtype).removeprefix('torch.')}{list(tensor.shape)}"
