@@ -20,6 +20,7 @@ from unison.checkpoint import (
     CheckpointError,
     ProjectConfiguration,
     checkpoint_path,
+    files_of_process,
     list_checkpoints,
     load_object,
     newest_checkpoint,
@@ -147,6 +148,32 @@ def test_damaged_checkpoints_are_refused_naming_the_file(tmp_path):
         verify_checkpoint(newer)
     with pytest.raises(CheckpointError, match="does not exist"):
         verify_checkpoint(tmp_path / "nowhere")
+
+
+def test_each_process_verifies_the_files_it_wrote_and_together_they_verify_every_file():
+    """Per-process files (RNG states, DCP shards) go to the process of their rank, modulo the processes
+    that load them; replicated files and DCP's metadata to the main process, which wrote them."""
+    names = ["counters.pt", "model_0.pt", "rng_state_0.pt", "rng_state_1.pt", "rng_state_3.pt"]
+    names += ["model_0/.metadata", "model_0/__0_0.distcp", "model_0/__3_0.distcp", "optimizer_0/__1_0.distcp"]
+    manifest = {"files": dict.fromkeys(names, {})}
+    assert files_of_process(manifest, 1, 4) == ["optimizer_0/__1_0.distcp", "rng_state_1.pt"]
+    assert files_of_process(manifest, 3, 4) == ["model_0/__3_0.distcp", "rng_state_3.pt"]
+    assert files_of_process(manifest, 0, 4) == [
+        "counters.pt",
+        "model_0.pt",
+        "model_0/.metadata",
+        "model_0/__0_0.distcp",
+        "rng_state_0.pt",
+    ]
+    shares = [files_of_process(manifest, rank, 2) for rank in range(2)]  # saved by 4, loaded by 2
+    assert shares[1] == [
+        "model_0/__3_0.distcp",
+        "optimizer_0/__1_0.distcp",
+        "rng_state_1.pt",
+        "rng_state_3.pt",
+    ]
+    assert sorted(shares[0] + shares[1]) == sorted(names)
+    assert files_of_process(manifest, 0, 1) == sorted(names)
 
 
 def test_list_newest_and_prune_order_steps_numerically(tmp_path):
@@ -294,10 +321,10 @@ def test_two_processes_write_one_checkpoint_and_a_killed_save_leaves_the_previou
 
 
 def test_a_step_that_fails_on_one_process_fails_on_every_process(tmp_path):
-    """Rank 0's replicated write, save_model's file, rank 1's read: each failure reaches both ranks,
-    nothing is renamed into place, and a script that catches it meets its peers in the next
-    collective (the group timeout is 20 s: a hang fails the launch). A rank that sees no checkpoint
-    follows rank 0's choice instead of starting fresh alone."""
+    """Rank 0's replicated write, save_model's file, rank 1's read, a file damaged where rank 1 alone
+    verifies it: each failure reaches both ranks, nothing is renamed into place or applied, and a script
+    that catches it meets its peers in the next collective (the group timeout is 20 s: a hang fails the
+    launch). A rank that sees no checkpoint follows rank 0's choice instead of starting fresh alone."""
     launch_ok(
         WORKERS / "checkpoint_failure_worker.py", 2, tmp_path, launch_args=["--timeout", "20"], timeout=120
     )
@@ -316,3 +343,7 @@ def test_a_step_that_fails_on_one_process_fails_on_every_process(tmp_path):
             assert loading.startswith("RuntimeError: CUDA out of memory (simulated)"), loading
         assert record["lagging_view_loaded"].endswith("shared/checkpoints/checkpoint_0"), record
         assert record["lagging_view_then"] == 3.0
+        # process 1 verifies its own RNG file; what it finds stops both, before anything is applied
+        damaged = record["damaged_rank1_file"]
+        assert damaged.startswith("CheckpointError: ") and "damaged/rng_state_1.pt does not match" in damaged
+        assert record["damaged_untouched"], record

@@ -1,12 +1,14 @@
 """Launched by tests/test_checkpoint_storage.py with 2 processes (and a short group timeout): a save or
 load step that fails on one process must fail on every process, so that a script catching the error
-goes on with matched collectives instead of hanging.
+goes on with matched collectives instead of hanging; a damaged file that process 1 alone verifies is
+refused on both.
 
 Usage: checkpoint_failure_worker.py BASE_DIR. Each rank records in BASE_DIR/rank{R}.json, per phase,
 the error it got and the all_reduce the script then runs (every rank's 1 + rank summed: 3).
 """
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -77,6 +79,21 @@ record["load_state"] = error_of(lambda: accelerator.load_state(saved))
 record["load_state_then"] = then_all_reduce()
 if rank == 1:
     training_state.load_object = real_load_object
+
+# A damaged file that only process 1 verifies (its RNG states): refused on every process, nothing applied.
+if rank == 0:
+    shutil.copytree(saved, base / "damaged")
+    with open(base / "damaged" / "rng_state_1.pt", "r+b") as file:
+        file.seek(100)
+        byte = file.read(1)[0]
+        file.seek(100)
+        file.write(bytes([byte ^ 0xFF]))
+dist.barrier()
+weight = accelerator.unwrap_model(model).weight
+with torch.no_grad():
+    weight.fill_(7.0)
+record["damaged_rank1_file"] = error_of(lambda: accelerator.load_state(base / "damaged"))
+record["damaged_untouched"] = bool((weight == 7.0).all())
 
 # A node whose view of the checkpoints lags (here: another, empty directory) follows process 0's.
 view = Accelerator(cpu=True, project_dir=base / ("shared" if rank == 0 else f"lagging{rank}"))

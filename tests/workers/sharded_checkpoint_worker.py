@@ -6,8 +6,8 @@ On 2 processes it trains a tiny GPT (examples/gpt/model.py, AdamW) under several
 torch's own engines directly (apply_zero for ZeRO-3, DDP + ZeroRedundancyOptimizer for ZeRO-1,
 parallelize_module for tensor parallel, a pipeline stage emulated by keeping one half of the model's
 modules under their original names), saves `SAVE_AT` steps through `save_training_state` into OUT_DIR
-and loads the checkpoints under other layouts with `load_training_state`. `Run` stands in for the
-Accelerator: it holds what training_state reads (prepared models and optimizers, counters).
+and loads the checkpoints under other layouts with `load_training_state`. `Run` holds what the
+Accelerator hands to training_state (a TrainingParts of one model and its optimizer).
 
 Next to each checkpoint process 0 writes `<name>_expected.pt`: the full model state dict and the full,
 parameter-name-keyed optimizer state at the save, which every load is compared with (the 4-process
@@ -34,7 +34,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from torch.nn.parallel import DistributedDataParallel
 
 from unison import PartialState
-from unison.checkpoint import CheckpointError, load_training_state, save_training_state
+from unison.checkpoint import CheckpointError, TrainingParts, load_training_state, save_training_state
 from unison.checkpoint.weights import consolidated_state_dict, save_consolidated_weights, save_model_weights
 from unison.optim import AcceleratedOptimizer
 from unison.parallel.ddp import unwrap
@@ -47,39 +47,19 @@ BLOCK = 16
 SEED = 1234
 
 
-class Run:
-    """What training_state reads from an Accelerator: the prepared models and optimizers, counters."""
+class Run(TrainingParts):
+    """One model and its optimizer, handed to training_state as the Accelerator hands its parts."""
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        self._models = [model]
-        self._optimizers = [AcceleratedOptimizer(optimizer)]
-        self._schedulers: list = []
-        self._dataloaders: list = []
-        self._custom_objects: list = []
-        self._save_state_pre_hooks: dict = {}
-        self._load_state_pre_hooks: dict = {}
-        self.scaler = None
-        self.step = 0
-        self.gradient_accumulation_steps = 1
-        self.device = torch.device("cpu")
+        super().__init__(models=[model], optimizers=[AcceleratedOptimizer(optimizer)])
 
     @property
     def model(self) -> nn.Module:
-        return self._models[0]
+        return self.models[0]
 
     @property
     def optimizer(self) -> AcceleratedOptimizer:
-        return self._optimizers[0]
-
-    @property
-    def optimizer_steps(self) -> int:
-        return self.optimizer.num_steps_taken
-
-    def unwrap_model(self, model: nn.Module) -> nn.Module:
-        return unwrap(model)
-
-    def wait_for_everyone(self) -> None:
-        PartialState().wait_for_everyone()
+        return self.optimizers[0]
 
 
 # -- layouts ---------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A mixin, so that accelerator.py stays the façade it is meant to be: these methods read the prepared
 objects the Accelerator keeps (`_models`, `_optimizers`, `_custom_objects`, `project_configuration`)
-and hand the work to training_state.py (the whole training state) and weights.py (consolidated weights).
+and hand the work to training_state.py (the whole training state, given those objects as a
+`TrainingParts`, so that it needs no Accelerator) and weights.py (consolidated weights).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch.utils.hooks import RemovableHandle
 from ..ops import broadcast_object_list
 from ..parallel.ddp import wrapper_prefix
 from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
-from .training_state import load_training_state, save_training_state
+from .training_state import TrainingParts, load_training_state, optimizer_steps, save_training_state
 from .weights import consolidated_state_dict, save_consolidated_weights, save_on_main_process
 
 
@@ -28,7 +29,7 @@ class CheckpointMethods:
     @property
     def optimizer_steps(self) -> int:
         """Real optimizer steps taken so far (micro-steps and fp16-skipped steps not counted)."""
-        return max((optimizer.num_steps_taken for optimizer in self._optimizers), default=0)
+        return optimizer_steps(self._optimizers)
 
     @property
     def save_iteration(self) -> int:
@@ -77,6 +78,22 @@ class CheckpointMethods:
         self._load_state_pre_hooks[handle.id] = hook
         return handle
 
+    def _training_parts(self) -> TrainingParts:
+        """What save_state / load_state save and restore, as training_state takes it."""
+        return TrainingParts(
+            models=list(self._models),
+            optimizers=list(self._optimizers),
+            schedulers=list(self._schedulers),
+            dataloaders=list(self._dataloaders),
+            custom_objects=list(self._custom_objects),
+            scaler=self.scaler,
+            step=self.step,
+            gradient_accumulation_steps=self.gradient_accumulation_steps,
+            device=self.device,
+            save_hooks=list(self._save_state_pre_hooks.values()),
+            load_hooks=list(self._load_state_pre_hooks.values()),
+        )
+
     def _checkpoints_dir(self, action: str) -> Path:
         if self.project_configuration.project_dir is None:
             raise ValueError(
@@ -96,7 +113,7 @@ class CheckpointMethods:
         automatic = output_dir is None
         if automatic:
             output_dir = checkpoint_path(self._checkpoints_dir("save_state"), self.optimizer_steps)
-        directory = save_training_state(self, Path(output_dir))
+        directory = save_training_state(self._training_parts(), Path(output_dir))
         if automatic and self.project_configuration.total_limit is not None:
             prune_checkpoints(directory.parent, self.project_configuration.total_limit)
         return directory
@@ -130,7 +147,7 @@ class CheckpointMethods:
                 f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
                 "first, or pass missing_ok=True to start fresh when there is nothing to resume."
             )
-        load_training_state(self, directory, strict=strict)
+        self.step = load_training_state(self._training_parts(), directory, strict=strict)
         return directory
 
     def checkpoints(self) -> list[Path]:

@@ -15,9 +15,9 @@ holds it to 1.2x of a bare torch.save), and those files load into sharded layout
 (`apply_full_model_state`, `apply_full_optimizer_state`).
 
 The guarantees of the checkpoint directory hold unchanged: DCP writes into the temporary directory of
-`storage.write_checkpoint`, whose manifest lists and checksums every file. Loading reads into fresh
-tensors shaped like the live shards while the main process verifies the checksums, and applies them
-only after the check has passed. Nothing in a checkpoint is unpickled with code execution: DCP's own
+`storage.write_checkpoint`, whose manifest lists and checksums every file (each process its own
+`__<rank>_0.distcp`). Loading reads into fresh tensors shaped like the live shards while every process
+verifies its share of the checksums, and applies them only after every check has passed. Nothing in a checkpoint is unpickled with code execution: DCP's own
 reader unpickles `.metadata` and non-tensor values with plain pickle, so reading goes through
 `SafeFileSystemReader` (an unpickler that builds DCP's metadata types only) and `SafeLoadPlanner`
 (torch.load(weights_only=True) for non-tensor values).

@@ -8,15 +8,21 @@ state is sharded (see `sharded.model_layouts`) is written with its optimizers th
 each process its own shards (`sharded.py`). The directory is made atomic and verifiable by
 `storage.write_checkpoint`, and everything loads with `torch.load(weights_only=True)` (DCP's metadata
 with an unpickler that builds only its own types): a checkpoint never executes code.
+
+The Accelerator hands over what is saved as a `TrainingParts` (checkpoint/methods.py builds it), so
+this package serves the façade without importing it: accelerator.py imports checkpoint/, never the
+reverse.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -26,20 +32,57 @@ from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
 from .storage import (
     CheckpointError,
+    files_of_process,
     load_object,
     model_keys_error,
     raise_if_any_process_failed,
+    read_manifest,
     save_object,
-    verify_checkpoint,
+    verify_files,
     write_checkpoint,
 )
-
-if TYPE_CHECKING:
-    from ..accelerator import Accelerator
 
 logger = logging.getLogger("unison")
 
 COUNTERS_FILE = "counters.pt"
+
+
+@dataclass
+class TrainingParts:
+    """What a checkpoint saves and restores: the prepared objects and counters of one Accelerator.
+
+    Each object has state_dict()/load_state_dict(); optimizers also count their steps
+    (`num_steps_taken`, unison's AcceleratedOptimizer). `step` is the micro-steps since the last
+    optimizer step (Accelerator.step), `device` where replicated files are loaded. The hooks are
+    Accelerate's save_state / load_state pre-hooks, `hook(models, weights, output_dir)` and
+    `hook(models, input_dir)`.
+    """
+
+    models: Sequence[torch.nn.Module] = ()
+    optimizers: Sequence[Any] = ()
+    schedulers: Sequence[Any] = ()
+    dataloaders: Sequence[Any] = ()
+    custom_objects: Sequence[Any] = ()
+    scaler: torch.amp.GradScaler | None = None
+    step: int = 0
+    gradient_accumulation_steps: int = 1
+    device: torch.device | str = "cpu"
+    save_hooks: Sequence[Callable[[list, list, str], None]] = ()
+    load_hooks: Sequence[Callable[[list, str], None]] = ()
+
+    @property
+    def optimizer_steps(self) -> int:
+        return optimizer_steps(self.optimizers)
+
+
+def optimizer_steps(optimizers: Sequence[Any]) -> int:
+    """Real optimizer steps taken so far: the most any optimizer took (micro-steps and fp16-skipped steps
+    are not counted by them)."""
+    return max((optimizer.num_steps_taken for optimizer in optimizers), default=0)
+
+
+def _rng_file(process_index: int) -> str:
+    return f"rng_state_{process_index}.pt"
 
 
 def _sharded() -> ModuleType:
@@ -50,34 +93,34 @@ def _sharded() -> ModuleType:
     return sharded
 
 
-def _replicated_parts(accelerator: Accelerator) -> dict[str, Any]:
+def _replicated_parts(training: TrainingParts) -> dict[str, Any]:
     """file name -> the object (with state_dict/load_state_dict) whose state it holds."""
     parts: dict[str, Any] = {}
-    for i, model in enumerate(accelerator._models):
+    for i, model in enumerate(training.models):
         parts[f"model_{i}.pt"] = unwrap(model)
-    for i, optimizer in enumerate(accelerator._optimizers):
+    for i, optimizer in enumerate(training.optimizers):
         parts[f"optimizer_{i}.pt"] = optimizer
-    for i, scheduler in enumerate(accelerator._schedulers):
+    for i, scheduler in enumerate(training.schedulers):
         parts[f"scheduler_{i}.pt"] = scheduler
-    for i, loader in enumerate(accelerator._dataloaders):
+    for i, loader in enumerate(training.dataloaders):
         parts[f"dataloader_{i}.pt"] = loader
-    for i, obj in enumerate(accelerator._custom_objects):
+    for i, obj in enumerate(training.custom_objects):
         parts[f"custom_checkpoint_{i}.pt"] = obj
-    if accelerator.scaler is not None:
-        parts["scaler.pt"] = accelerator.scaler
+    if training.scaler is not None:
+        parts["scaler.pt"] = training.scaler
     return parts
 
 
-def _counters(accelerator: Accelerator) -> dict[str, Any]:
+def _counters(training: TrainingParts) -> dict[str, Any]:
     return {
-        "step": accelerator.step,
-        "gradient_accumulation_steps": accelerator.gradient_accumulation_steps,
+        "step": training.step,
+        "gradient_accumulation_steps": training.gradient_accumulation_steps,
         "world_size": PartialState().num_processes,
-        "optimizer_steps": [optimizer.num_steps_taken for optimizer in accelerator._optimizers],
+        "optimizer_steps": [optimizer.num_steps_taken for optimizer in training.optimizers],
     }
 
 
-def _micro_step(counters: dict[str, Any], accelerator: Accelerator, directory: Path) -> int:
+def _micro_step(counters: dict[str, Any], training: TrainingParts, directory: Path) -> int:
     """Accelerator.step for the resumed run: the micro-steps into the accumulation window decide where the
     next window ends (step % k == 0), so they must count in this run's micro-steps.
 
@@ -92,23 +135,23 @@ def _micro_step(counters: dict[str, Any], accelerator: Accelerator, directory: P
         return step
     if step % saved_k == 0:
         return 0
-    if (saved_k, saved_world) == (accelerator.gradient_accumulation_steps, PartialState().num_processes):
+    if (saved_k, saved_world) == (training.gradient_accumulation_steps, PartialState().num_processes):
         return step
     raise CheckpointError(
         f"{directory} was saved {step % saved_k} micro-batches into an accumulation window of {saved_k} on "
-        f"{saved_world} processes; this run accumulates {accelerator.gradient_accumulation_steps} on "
+        f"{saved_world} processes; this run accumulates {training.gradient_accumulation_steps} on "
         f"{PartialState().num_processes}, so that window cannot be continued. Resume it with the saved "
         "processes and accumulation, or save at the end of an optimizer step (when sync_gradients is True)."
     )
 
 
-def _model_parts(accelerator: Accelerator) -> tuple[dict[str, tuple[torch.nn.Module, Any]], set[str]]:
+def _model_parts(training: TrainingParts) -> tuple[dict[str, tuple[torch.nn.Module, Any]], set[str]]:
     """(file name -> (its model, the model or optimizer itself)) for every model and every optimizer
     of a model's parameters, and the names of those whose live layout is sharded (saved through DCP).
 
     Collective: the layouts are agreed on by every process.
     """
-    models, optimizers = accelerator._models, accelerator._optimizers
+    models, optimizers = training.models, training.optimizers
     parts: dict[str, tuple[torch.nn.Module, Any]] = {}
     sharded_names: set[str] = set()
     for i, layout in enumerate(_sharded().model_layouts(models, optimizers)):
@@ -124,7 +167,7 @@ def _part_directory(directory: Path, name: str) -> Path:
     return directory / name.removesuffix(".pt")
 
 
-def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
+def save_training_state(training: TrainingParts, directory: Path) -> Path:
     """Write the training state into `directory` (atomically; every process must call this).
 
     The save_state pre-hooks run first, inside the checkpoint being written (their output_dir is its
@@ -132,10 +175,10 @@ def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
     they removed from the list is not saved (they saved it their way).
     """
     state = PartialState()
-    metadata = {"optimizer_steps": accelerator.optimizer_steps, "world_size": state.num_processes}
-    model_parts, sharded_parts = _model_parts(accelerator)
+    metadata = {"optimizer_steps": training.optimizer_steps, "world_size": state.num_processes}
+    model_parts, sharded_parts = _model_parts(training)
     with write_checkpoint(directory, metadata=metadata) as staging:
-        left_to_hooks = {f"model_{i}.pt" for i in _models_saved_by_hooks(accelerator, staging)}
+        left_to_hooks = {f"model_{i}.pt" for i in _models_saved_by_hooks(training, staging)}
         for name in sorted(sharded_parts - left_to_hooks):  # collective: the same order on every process
             model, part = model_parts[name]
             if part is model:
@@ -143,59 +186,75 @@ def save_training_state(accelerator: Accelerator, directory: Path) -> Path:
             else:
                 _sharded().save_optimizer_state(model, part, _part_directory(staging, name))
         if state.is_main_process:
-            for name, part in _replicated_parts(accelerator).items():
+            for name, part in _replicated_parts(training).items():
                 if name not in sharded_parts and name not in left_to_hooks:
                     save_object(part.state_dict(), staging / name)
-            save_object(_counters(accelerator), staging / COUNTERS_FILE)
-        save_object(get_rng_state(), staging / f"rng_state_{state.process_index}.pt")
+            save_object(_counters(training), staging / COUNTERS_FILE)
+        save_object(get_rng_state(), staging / _rng_file(state.process_index))
     logger.info("saved the training state to %s", directory)
     return directory
 
 
-def _models_saved_by_hooks(accelerator: Accelerator, output_dir: Path) -> list[int]:
+def _models_saved_by_hooks(training: TrainingParts, output_dir: Path) -> list[int]:
     """Run the save_state pre-hooks as Accelerate does, `hook(models, weights, output_dir)`; the indices
     of the models whose state dict a hook removed from `weights`, as the main process saw it (a hook
     often acts on the main process only, and which models the collective save skips must agree)."""
-    hooks = list(accelerator._save_state_pre_hooks.values())
-    if not hooks:
+    if not training.save_hooks:
         return []
-    weights = [unwrap(model).state_dict() for model in accelerator._models]
+    weights = [unwrap(model).state_dict() for model in training.models]
     offered = [id(weight) for weight in weights]
-    for hook in hooks:
-        hook(list(accelerator._models), weights, str(output_dir))
+    for hook in training.save_hooks:
+        hook(list(training.models), weights, str(output_dir))
     kept = {id(weight) for weight in weights}
     removed = [i for i, ident in enumerate(offered) if ident not in kept]
     return ops.broadcast_object_list([removed], from_process=0)[0]
 
 
-def _models_loaded_by_hooks(accelerator: Accelerator, input_dir: Path) -> list[int]:
+def _models_loaded_by_hooks(training: TrainingParts, input_dir: Path) -> list[int]:
     """Run the load_state pre-hooks, `hook(models, input_dir)`; the indices of the models a hook removed
     from `models` (it loaded them its way), as the main process saw it."""
-    hooks = list(accelerator._load_state_pre_hooks.values())
-    if not hooks:
+    if not training.load_hooks:
         return []
-    models = list(accelerator._models)
-    for hook in hooks:
+    models = list(training.models)
+    for hook in training.load_hooks:
         hook(models, str(input_dir))
     kept = {id(model) for model in models}
-    removed = [i for i, model in enumerate(accelerator._models) if id(model) not in kept]
+    removed = [i for i, model in enumerate(training.models) if id(model) not in kept]
     return ops.broadcast_object_list([removed], from_process=0)[0]
 
 
-def _checked_on_main_process(directory: Path) -> tuple[dict[str, Any] | None, str | None]:
-    """(manifest, None) when the checkpoint is intact, else (None, the reason)."""
+def _main_process_view(directory: Path, names: list[str]) -> tuple[dict | None, list[str], str | None]:
+    """(the manifest, which of the model and optimizer `names` were saved through DCP, None), or
+    (None, [], why the directory is not a complete checkpoint)."""
     try:
-        return verify_checkpoint(directory), None
-    except CheckpointError as exc:
-        return None, str(exc)
+        manifest = read_manifest(directory)
+    except CheckpointError as error:
+        return None, [], str(error)
+    saved_sharded = [
+        name
+        for name in names
+        if name.startswith(("model_", "optimizer_"))
+        and _sharded().is_sharded_part(_part_directory(directory, name))
+    ]
+    return manifest, sorted(saved_sharded), None
 
 
-def _read(directory: Path, names: list[str], device: Any) -> tuple[dict[str, Any], Exception | None]:
-    """Load the named files; the first failure is returned, not raised, for after the check."""
+def _verification_error(directory: Path, manifest: dict[str, Any], names: list[str]) -> Exception | None:
+    """verify_files of this process's share, run beside the reads: the failure returned, not raised."""
+    try:
+        verify_files(directory, manifest, names)
+    except Exception as error:  # an unreadable file too: every process must hear of it
+        return error
+    return None
+
+
+def _read(directory: Path, files: dict[str, Any]) -> tuple[dict[str, Any], Exception | None]:
+    """Load the files named in `files` (name -> map_location); the first failure is returned, not raised,
+    for after the check."""
     loaded: dict[str, Any] = {}
-    for name in names:
+    for name, map_location in files.items():
         try:
-            loaded[name] = load_object(directory / name, map_location=device)
+            loaded[name] = load_object(directory / name, map_location=map_location)
         except Exception as exc:  # judged once the checksums are known: a damaged file explains it best
             return loaded, exc
     return loaded, None
@@ -292,43 +351,31 @@ def _apply(
         part.load_state_dict(loaded[name])
 
 
-def load_training_state(accelerator: Accelerator, directory: Path, strict: bool = True) -> None:
-    """Restore everything `save_training_state` wrote, into the objects this Accelerator prepared.
+def load_training_state(training: TrainingParts, directory: Path, strict: bool = True) -> int:
+    """Restore everything `save_training_state` wrote into the objects of `training`; returns the
+    micro-step count (Accelerator.step) the resumed run continues from.
 
-    The main process checks every file's size and checksum while all processes read theirs (one
-    read of each file on each process, not one to check and one to load); nothing is applied until
-    the check has passed, and a failed check raises the same error on every process. Model and
+    Every process verifies its share of the files (their sizes and checksums, see
+    storage.checksumming_process) while it reads the files it loads (one read of each file on each
+    process, not one to check and one to load); nothing is applied until every process's check has
+    passed, and a failed check raises a CheckpointError naming the file on every process. Model and
     optimizer parts saved through DCP are read, on each process, into new tensors laid out like its
     own shards; parts load across layouts (sharded <-> plain, another number of processes).
     strict: each model's saved keys must be exactly its own (a CheckpointError naming the keys, before
     anything is applied); strict=False loads the keys both have and leaves the model's others as they are.
     """
     state = PartialState()
-    loaded_by_hooks = {f"model_{i}.pt" for i in _models_loaded_by_hooks(accelerator, directory)}
-    parts = {
-        name: part for name, part in _replicated_parts(accelerator).items() if name not in loaded_by_hooks
-    }
-    model_parts, sharded_parts = _model_parts(accelerator)
+    loaded_by_hooks = {f"model_{i}.pt" for i in _models_loaded_by_hooks(training, directory)}
+    parts = {name: part for name, part in _replicated_parts(training).items() if name not in loaded_by_hooks}
+    model_parts, sharded_parts = _model_parts(training)
     sharded_parts -= loaded_by_hooks
-    # Which parts DCP reads (a collective) is the main process's view of the directory, for everyone.
-    saved_sharded = sorted(
-        name
-        for name in parts
-        if name.startswith(("model_", "optimizer_"))
-        and state.is_main_process
-        and _sharded().is_sharded_part(_part_directory(directory, name))
-    )
-    saved_sharded = ops.broadcast_object_list([saved_sharded], from_process=0)[0]
-    model_keys = _model_keys(model_parts, sharded_parts) if strict else {}
-    torch_files = [name for name in [*parts, COUNTERS_FILE] if name not in saved_sharded]
-    with ThreadPoolExecutor(max_workers=1) as pool:
-        check = pool.submit(_checked_on_main_process, directory) if state.is_main_process else None
-        loaded, read_error = _read(directory, torch_files, accelerator.device)
-        staged, stage_error = _read_sharded(directory, saved_sharded, model_parts, strict, model_keys)
-        verdict = check.result() if check is not None else None
-    manifest, error = ops.broadcast_object_list(list(verdict or (None, None)), from_process=0)
+    # The main process's view of the directory (its manifest, which parts DCP reads: a collective), for
+    # everyone: a node whose view of a shared filesystem lags must not read another checkpoint.
+    view = _main_process_view(directory, list(parts)) if state.is_main_process else None
+    manifest, saved_sharded, error = ops.broadcast_object_list([view], from_process=0)[0]
     if error is not None:
         raise CheckpointError(error)
+    torch_files = [name for name in [*parts, COUNTERS_FILE] if name not in saved_sharded]
     expected = {name: name for name in torch_files}
     expected.update((name, f"{name.removesuffix('.pt')}/{_sharded().DCP_METADATA}") for name in saved_sharded)
     missing = sorted(name for name, file in expected.items() if file not in manifest["files"])
@@ -338,19 +385,31 @@ def load_training_state(accelerator: Accelerator, directory: Path, strict: bool 
             "optimizers, schedulers, data loaders or registered objects (or another precision) than this "
             "one. Prepare the same objects, in the same order, as the run that saved it."
         )
+    to_read = dict.fromkeys(torch_files, training.device)
+    rng_file = _rng_file(state.process_index)
+    if rng_file in manifest["files"]:  # the saved run had this rank: its streams, read now, applied last
+        to_read[rng_file] = None  # (generator states stay on the CPU)
+    model_keys = _model_keys(model_parts, sharded_parts) if strict else {}
+    to_verify = files_of_process(manifest, state.process_index, state.num_processes)
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        check = pool.submit(_verification_error, directory, manifest, to_verify)
+        loaded, read_error = _read(directory, to_read)
+        staged, stage_error = _read_sharded(directory, saved_sharded, model_parts, strict, model_keys)
+        verification_error = check.result()
+    raise_if_any_process_failed(verification_error, f"verifying {directory}")  # the clearest error first
     failure = read_error or stage_error
     failure = failure or _fit_error(parts, model_parts, sharded_parts, loaded, strict, model_keys)
     raise_if_any_process_failed(failure, f"loading {directory}")
     counters = loaded[COUNTERS_FILE]
-    micro_step = _micro_step(counters, accelerator, directory)  # refused before anything is applied
+    micro_step = _micro_step(counters, training, directory)  # refused before anything is applied
     for name, part in parts.items():
         _apply(name, part, model_parts, sharded_parts, staged, loaded, strict)
-    accelerator.step = micro_step
-    for optimizer, steps in zip(accelerator._optimizers, counters["optimizer_steps"]):
+    for optimizer, steps in zip(training.optimizers, counters["optimizer_steps"]):
         optimizer.num_steps_taken = steps
-    _load_rng_state(directory, manifest)
-    accelerator.wait_for_everyone()
+    _load_rng_state(directory, manifest, loaded.get(rng_file))
+    state.wait_for_everyone()
     logger.info("loaded the training state from %s", directory)
+    return micro_step
 
 
 def _model_keys(
@@ -366,24 +425,23 @@ def _model_keys(
     return dict(zip(names, keys))
 
 
-def _load_rng_state(directory: Path, manifest: dict[str, Any]) -> None:
-    """Each process resumes its own random streams. On another number of processes, the processes whose
-    rank the saved run had (process 0 among them, whose global RNG draws every shuffle: see
-    data/torch_order.py) resume that rank's streams; the others keep theirs. That is said, not hidden."""
+def _load_rng_state(directory: Path, manifest: dict[str, Any], rng_state: dict[str, Any] | None) -> None:
+    """Each process resumes its own random streams (`rng_state`, None where the saved run had no process
+    of its rank). On another number of processes, the processes whose rank the saved run had (process 0
+    among them, whose global RNG draws every shuffle: see data/torch_order.py) resume that rank's
+    streams; the others keep theirs. That is said, not hidden."""
     state = PartialState()
     saved_world_size = manifest.get("metadata", {}).get("world_size")
-    if saved_world_size != state.num_processes:
-        if state.is_main_process:
-            logger.warning(
-                "checkpoint %s was saved by %s processes and is loaded by %d: models, optimizers, schedulers "
-                "and data positions carry over, and processes 0 to %d resume the random streams of the "
-                "saved processes of their rank (so the next shuffles are the saved run's); results stay "
-                "within rounding of the original run, not bit-identical.",
-                directory,
-                saved_world_size,
-                state.num_processes,
-                min(int(saved_world_size or 1), state.num_processes) - 1,
-            )
-        if not (directory / f"rng_state_{state.process_index}.pt").is_file():
-            return
-    set_rng_state(load_object(directory / f"rng_state_{state.process_index}.pt"))
+    if saved_world_size != state.num_processes and state.is_main_process:
+        logger.warning(
+            "checkpoint %s was saved by %s processes and is loaded by %d: models, optimizers, schedulers "
+            "and data positions carry over, and processes 0 to %d resume the random streams of the "
+            "saved processes of their rank (so the next shuffles are the saved run's); results stay "
+            "within rounding of the original run, not bit-identical.",
+            directory,
+            saved_world_size,
+            state.num_processes,
+            min(int(saved_world_size or 1), state.num_processes) - 1,
+        )
+    if rng_state is not None:
+        set_rng_state(rng_state)
