@@ -3,16 +3,23 @@
 from __future__ import annotations
 
 import json
+import pickle
+import shutil
 import sys
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed.checkpoint as dcp
 from launching import WORKERS, launch_ok
 from safetensors.torch import load_model
 from torch import nn
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, CheckpointError, ProjectConfiguration
+from unison.checkpoint import MANIFEST_NAME, sharded, verify_checkpoint, write_checkpoint
 
 pytestmark = pytest.mark.usefixtures("fresh_state")
 
@@ -129,6 +136,71 @@ def test_edited_checkpoint_is_refused_naming_the_file(tmp_path):
         file.write(bytes([byte[0] ^ 0xFF]))
     with pytest.raises(CheckpointError, match="optimizer_0.pt"):
         accelerator.load_state(directory)
+
+
+class RunsCode:
+    """Unpickling it calls open(marker, "w"), as a crafted checkpoint would call os.system."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def crafted_copy(saved: Path, target: Path, name: str, write) -> Path:
+    """`saved` with the file (or DCP part) `name` written by `write(path)` instead, and a manifest that
+    matches it (written by write_checkpoint as for a real save): the checksums pass, only the pickle is
+    hostile."""
+    with write_checkpoint(target) as staging:
+        for path in saved.iterdir():
+            if path.name not in (MANIFEST_NAME, name, f"{name}.pt"):
+                shutil.copy(path, staging / path.name)
+        write(staging / name)
+    return target
+
+
+def test_a_checkpoint_crafted_to_run_code_is_refused_before_anything_runs_or_is_applied(tmp_path):
+    """Every file load_state reads (model, optimizer, scheduler, loader position, registered objects,
+    counters, RNG states), and DCP parts (their metadata, their non-tensor values), holding a pickle
+    that would run code: refused with a CheckpointError naming the file, the code never runs, and the
+    live state is untouched."""
+    accelerator, counter, prepared = build(tmp_path)
+    train_steps(accelerator, prepared, 1)
+    saved = accelerator.save_state(tmp_path / "saved")
+    model, optimizer = prepared[0], prepared[1]
+    marker = tmp_path / "code_ran"
+    payload = {"weight": RunsCode(marker), "state": {}, "param_groups": []}
+    torch.save(payload, tmp_path / "probe.pt")
+    torch.load(tmp_path / "probe.pt", weights_only=False)  # the crafted pickle does run code, unguarded
+    assert marker.exists()
+    marker.unlink()
+
+    def dcp_model(path: Path) -> None:  # a DCP part whose .metadata would run code
+        sharded.save_model_state(model, path)
+        (path / sharded.DCP_METADATA).write_bytes(pickle.dumps(RunsCode(marker)))
+
+    def dcp_optimizer(path: Path) -> None:  # a DCP part with a hostile non-tensor value (a learning rate)
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        state = get_optimizer_state_dict(model, optimizer.optimizer, options=flat)
+        dcp.save({**state, "param_groups.weight.lr": RunsCode(marker)}, storage_writer=FileSystemWriter(path))
+
+    cases = {
+        name: lambda path: torch.save(payload, path) for name in sorted(verify_checkpoint(saved)["files"])
+    }
+    cases.update({"model_0": dcp_model, "optimizer_0": dcp_optimizer})
+    with torch.no_grad():
+        model.weight.fill_(7.0)
+    counter.value, counters = -1, (accelerator.optimizer_steps, accelerator.step)
+    for index, (name, write) in enumerate(cases.items()):
+        crafted = crafted_copy(saved, tmp_path / f"crafted_{index}", name, write)
+        with pytest.raises(CheckpointError, match="io.open") as refused:
+            accelerator.load_state(crafted)
+        assert f"crafted_{index}/{name}" in str(refused.value), str(refused.value)
+        assert not marker.exists(), name
+        assert (model.weight == 7.0).all() and counter.value == -1, name
+        assert (accelerator.optimizer_steps, accelerator.step) == counters, name
+    assert len(cases) == 9
 
 
 def test_register_for_checkpointing_needs_state_dict_methods(tmp_path):
