@@ -211,6 +211,7 @@ def test_accelerator_arguments_and_plugins_must_agree(monkeypatch):
     for name in torchrun:  # srun's variables instead of torchrun's
         monkeypatch.delenv(name)
     slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "4", "SLURM_LOCALID": "0", "SLURM_NTASKS_PER_NODE": "2"}
+    slurm["SLURM_STEP_ID"] = "0"  # a task of an srun step (the batch script has none: one process)
     for name, value in {**slurm, "SLURM_NODELIST": "n1", "SLURM_JOB_ID": "1"}.items():
         monkeypatch.setenv(name, value)
     assert resolve_plugins((None, None, None), None, None, None)[0] == ParallelismConfig(

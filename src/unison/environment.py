@@ -1,25 +1,37 @@
-"""Who am I? Detect how this process was started: torchrun / `unison launch`, SLURM's srun, or plain python.
+"""Who am I? Detect how this process was started: torchrun / `unison launch`, mpirun, SLURM's srun, or
+plain python (docs/launchers.md lists what each gets).
 
 Each cluster environment is a tiny class with one `detect()` that reads the process environment and
 returns a `ProcessLayout`, or None when the environment is not the one that started us. They are
-tried in order; the first that matches wins, and a plain `python script.py` is one process.
+tried in order; the first that matches wins, and a plain `python script.py` is one process. The
+order puts the launcher that started this very process before the scheduler around it: torchrun run
+inside an srun step sets RANK for each of its workers, and mpirun inside an sbatch allocation starts
+its remote daemons with srun, so its ranks on other nodes carry that srun step's SLURM_PROCID (one per
+node) beside their own OMPI_COMM_WORLD_RANK.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import re
+import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import NamedTuple
 
-DEFAULT_SLURM_PORT_BASE = 15000
+logger = logging.getLogger("unison")
+
+# Ports derived from a job's identity (SLURM job id, MPI job namespace) lie in [BASE, BASE + 10000).
+DERIVED_PORT_BASE = 15000
 
 
 @dataclass(frozen=True)
 class ProcessLayout:
     """Where this process sits among all the processes of one run."""
 
-    source: str  # "torchrun", "slurm" or "single"
+    source: str  # "torchrun", "mpi", "slurm" or "single"
     rank: int
     world_size: int
     local_rank: int
@@ -63,8 +75,139 @@ class TorchElasticEnvironment:
         )
 
 
+class MpiLauncher(NamedTuple):
+    """The variables one MPI implementation's launcher exports to every process it starts."""
+
+    name: str
+    rank: str
+    size: str
+    local_rank: str
+    local_size: str
+    export: str  # how its launcher passes MASTER_ADDR / MASTER_PORT to every rank
+
+    @property
+    def variables(self) -> tuple[str, str, str, str]:
+        return self.rank, self.size, self.local_rank, self.local_size
+
+
+MPI_LAUNCHERS = (
+    MpiLauncher(
+        "Open MPI's mpirun",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "`mpirun -x MASTER_ADDR=node01 -x MASTER_PORT=29500 ...`",
+    ),
+    MpiLauncher(
+        "mpiexec (MPICH / Intel MPI Hydra)",
+        "PMI_RANK",
+        "PMI_SIZE",
+        "MPI_LOCALRANKID",
+        "MPI_LOCALNRANKS",
+        "`mpiexec -genv MASTER_ADDR node01 -genv MASTER_PORT 29500 ...`",
+    ),
+    MpiLauncher(
+        "MVAPICH's mpirun_rsh",
+        "MV2_COMM_WORLD_RANK",
+        "MV2_COMM_WORLD_SIZE",
+        "MV2_COMM_WORLD_LOCAL_RANK",
+        "MV2_COMM_WORLD_LOCAL_SIZE",
+        "`mpirun_rsh -np 8 -hostfile hosts MASTER_ADDR=node01 MASTER_PORT=29500 python train.py`",
+    ),
+)
+
+# Identical in every process of one MPI job, on every node, and different between jobs: the job's PMIx
+# namespace (PMIx_server_setup_fork sets it for each rank Open MPI's runtime starts), the URI of Open MPI's
+# mpirun that ORTE (Open MPI <= 4) hands each rank, Intel MPI's job UUID (oneCCL keys its sockets on it).
+MPI_JOB_IDS = ("PMIX_NAMESPACE", "OMPI_MCA_orte_hnp_uri", "I_MPI_HYDRA_UUID")
+
+
+class MpiEnvironment:
+    """Started by `mpirun` / `mpiexec` (Open MPI, MPICH or Intel MPI's Hydra, MVAPICH) without torchrun.
+
+    Every MPI launcher exports each process's rank, the world size and the rank and count on its node
+    (the names differ per implementation, see MPI_LAUNCHERS; Accelerate's `get_cpu_distributed_information`
+    reads the same ones). What none of them exports is where the process group should meet, and without
+    mpi4py there is no MPI channel to agree on it, so:
+
+    - the address is MASTER_ADDR; when it is absent and all ranks share this node (local size == size),
+      127.0.0.1; across several nodes a ValueError on every rank names what to export.
+    - the port is MASTER_PORT; else derived from an identifier that every process of this MPI job holds
+      and other jobs do not (MPI_JOB_IDS: Open MPI's PMIx namespace or mpirun's URI, Intel MPI's job
+      UUID); else, on one node only, from the parent process id: MPICH's Hydra and MVAPICH export no job
+      identifier, but their per-node proxy (hydra_pmi_proxy, mpispawn) is the parent of every rank on the
+      node. That parent is not shared across nodes, nor when each rank runs under a wrapper script of its
+      own (`mpirun -n 4 ./run.sh`): export MASTER_PORT there.
+
+    Only the variables each launcher sets itself count: `srun --mpi=pmi2` sets PMI_RANK and PMI_SIZE too,
+    but not Hydra's MPI_LOCALRANKID, so srun tasks stay SLURM's (SlurmEnvironment derives the address).
+    """
+
+    name = "mpi"
+
+    @staticmethod
+    def detect(env: Mapping[str, str]) -> ProcessLayout | None:
+        launcher = next((m for m in MPI_LAUNCHERS if all(name in env for name in m.variables)), None)
+        if launcher is None:
+            return None
+        rank, world_size, local_rank, local_world_size = (_int(env, name) for name in launcher.variables)
+        one_node = local_world_size == world_size
+        if env.get("MASTER_ADDR"):
+            master_addr = env["MASTER_ADDR"]
+        elif one_node:
+            master_addr = "127.0.0.1"
+        else:
+            raise ValueError(
+                f"{launcher.name} started {world_size} processes on several nodes ({local_world_size} on "
+                "this one) but MASTER_ADDR is not set: nothing tells unison which host runs rank 0, where "
+                "the process group meets. Export that host's name (with the default mapping, the first "
+                f"host of the host list) and a free port to every rank, e.g. {launcher.export}."
+            )
+        return ProcessLayout(
+            source="mpi",
+            rank=rank,
+            world_size=world_size,
+            local_rank=local_rank,
+            local_world_size=local_world_size,
+            master_addr=master_addr,
+            master_port=_mpi_port(env, launcher, one_node),
+        )
+
+
+def _mpi_port(env: Mapping[str, str], launcher: MpiLauncher, one_node: bool) -> int:
+    """MASTER_PORT, else a port derived from the MPI job's identifier, else (one node) from the parent
+    process: the launcher's per-node proxy. crc32, not hash(): Python salts str hashes per process."""
+    if "MASTER_PORT" in env:
+        return _int(env, "MASTER_PORT")
+    job_id = next((env[name] for name in MPI_JOB_IDS if env.get(name)), None)
+    if job_id is not None:
+        return DERIVED_PORT_BASE + zlib.crc32(job_id.encode()) % 10000
+    if one_node:
+        return DERIVED_PORT_BASE + os.getppid() % 10000
+    raise ValueError(
+        f"{launcher.name} exports no job identifier ({', '.join(MPI_JOB_IDS)}) that all ranks on several "
+        "nodes share, so unison cannot derive a rendezvous port they agree on, and MASTER_PORT is not set. "
+        f"Export a free port on rank 0's host to every rank, e.g. {launcher.export}."
+    )
+
+
 class SlurmEnvironment:
     """Started as one task of `srun` without torchrun: SLURM's own variables say who we are.
+
+    Only a job step started by srun holds tasks. The batch script of `sbatch --ntasks=4` runs once, on
+    the first node, in the job's batch step, yet carries SLURM_PROCID=0, SLURM_LOCALID=0 and
+    SLURM_NTASKS=4: taken for task 0 of 4 it would wait for three peers that never start. slurmstepd
+    sets SLURM_STEP_ID only for a numbered step: its setup_env() writes it when the step id is >= 0,
+    and the batch, interactive (salloc's shell) and extern steps carry negative special ids
+    (SLURM_BATCH_SCRIPT = 0xfffffffb, read as an int; SchedMD/slurm src/common/env.c, slurmstepd's
+    task.c; env_array_for_step sets it for srun, env_array_for_batch_job does not). Slurm's master
+    branch (commit 87077e7c, 2026) writes those special ids as negative numbers instead of leaving the
+    variable out, so a step is a SLURM_STEP_ID that is a non-negative integer. Lightning keys the same
+    decision on the job name 'bash' / 'interactive', which also turns away `srun` inside an salloc
+    shell (its issue #20776, fixed by reading SLURM_STEP_ID in PR #21712); submitit avoids it by
+    always starting tasks with srun from its batch file. Outside a step this is one process, and with
+    several tasks a warning says why and how to start them all.
 
     The rendezvous host is the first node of the step's node list; the port is MASTER_PORT when set,
     else derived from the job id so that two jobs sharing a node do not collide.
@@ -76,15 +219,21 @@ class SlurmEnvironment:
     def detect(env: Mapping[str, str]) -> ProcessLayout | None:
         if not all(k in env for k in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID")):
             return None
-        if env.get("SLURM_JOB_NAME") in ("bash", "interactive"):  # an salloc shell, not a launched task
+        world_size = _int(env, "SLURM_NTASKS")
+        if not re.fullmatch(r"\d+", env.get("SLURM_STEP_ID", "")):
+            if world_size > 1:
+                _warn_once(
+                    f"SLURM job with {world_size} tasks, but this process was not started by srun (no "
+                    "SLURM_STEP_ID: the batch script or an salloc shell): running as one process. Start "
+                    "the tasks with `srun python train.py` or `unison launch`."
+                )
             return None
         nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST") or "127.0.0.1"
         if "MASTER_PORT" in env:
             port = _int(env, "MASTER_PORT")
         else:
             job_id = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
-            port = DEFAULT_SLURM_PORT_BASE + job_id % 10000
-        world_size = _int(env, "SLURM_NTASKS")
+            port = DERIVED_PORT_BASE + job_id % 10000
         return ProcessLayout(
             source="slurm",
             rank=_int(env, "SLURM_PROCID"),
@@ -94,6 +243,12 @@ class SlurmEnvironment:
             master_addr=env.get("MASTER_ADDR") or first_host(nodelist),
             master_port=port,
         )
+
+
+@functools.cache
+def _warn_once(message: str) -> None:
+    """detect_layout runs several times per process (random seeding, plugins, the state): say it once."""
+    logger.warning(message)
 
 
 class SingleProcessEnvironment:
@@ -106,7 +261,7 @@ class SingleProcessEnvironment:
         return ProcessLayout(source="single", rank=0, world_size=1, local_rank=0, local_world_size=1)
 
 
-ENVIRONMENTS = (TorchElasticEnvironment, SlurmEnvironment, SingleProcessEnvironment)
+ENVIRONMENTS = (TorchElasticEnvironment, MpiEnvironment, SlurmEnvironment, SingleProcessEnvironment)
 
 
 def detect_layout(env: Mapping[str, str] | None = None) -> ProcessLayout:
