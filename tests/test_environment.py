@@ -11,7 +11,9 @@ import zlib
 from pathlib import Path
 
 import pytest
+import torch
 
+from unison import state as state_module
 from unison.environment import (
     DERIVED_PORT_BASE,
     MPI_LAUNCHERS,
@@ -315,6 +317,43 @@ def test_launcher_order_around_mpi():
 def test_invalid_mpi_values_give_clear_errors(env, message):
     with pytest.raises(ValueError, match=message):
         detect_layout(env)
+
+
+def node_layout(local_rank: int, local_world_size: int) -> ProcessLayout:
+    return ProcessLayout("slurm", local_rank, local_world_size, local_rank, local_world_size)
+
+
+@pytest.mark.parametrize(
+    "local_rank, local_world_size, visible, index",
+    [
+        (2, 4, 4, 2),  # every task sees the node's GPUs: GPU LOCAL_RANK
+        (2, 4, 8, 2),
+        (0, 1, 1, 0),
+        (3, 4, 1, 0),  # srun --gpus-per-task=1: each task sees its own GPU, as cuda:0
+    ],
+)
+def test_the_gpu_each_process_takes(local_rank, local_world_size, visible, index):
+    assert node_layout(local_rank, local_world_size).cuda_index(visible, None) == index
+
+
+def test_more_processes_than_several_visible_gpus_are_refused():
+    with pytest.raises(
+        ValueError,
+        match=r"4 processes were started on this node but this one sees 2 GPUs "
+        r"\(CUDA_VISIBLE_DEVICES '0,1'\).*srun --gpus-per-task=1",
+    ):
+        node_layout(1, 4).cuda_index(2, "0,1")
+    with pytest.raises(ValueError, match=r"sees 2 GPUs \(CUDA_VISIBLE_DEVICES unset: all of the node's\)"):
+        node_layout(1, 4).cuda_index(2, None)
+
+
+def test_pick_device_gives_a_task_with_one_gpu_that_gpu(monkeypatch):
+    """state._pick_device on a node where SLURM gave each of 4 tasks one GPU (no GPU needed here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
+    assert state_module._pick_device(node_layout(3, 4), cpu=False) == (torch.device("cuda", 0), "nccl")
+    assert state_module._pick_device(node_layout(3, 4), cpu=True) == (torch.device("cpu"), "gloo")
 
 
 WORKER = Path(__file__).parent / "workers" / "mpi_env_worker.py"

@@ -43,6 +43,31 @@ class ProcessLayout:
     def node_rank(self) -> int:
         return self.rank // max(self.local_world_size, 1)
 
+    def cuda_index(self, visible: int, cuda_visible_devices: str | None) -> int:
+        """The CUDA device this process trains on, given the GPUs it sees (torch.cuda.device_count(),
+        which CUDA_VISIBLE_DEVICES narrows and renumbers from 0).
+
+        One process per GPU. Where every process of the node sees all of the node's GPUs (torchrun,
+        `unison launch`, srun with --gpus-per-node), process LOCAL_RANK takes GPU LOCAL_RANK. Where the
+        launcher gave each process a GPU of its own (`srun --gpus-per-task=1`, or a binding script
+        exporting one CUDA_VISIBLE_DEVICES entry per task), each sees exactly one, as its cuda:0, while
+        several share the node: that one is this process's. (Should tasks that share a single GPU land
+        here, NCCL refuses a group with two ranks on one device: "Duplicate GPU detected".) More
+        processes on the node than the several GPUs this one sees cannot be mapped without guessing.
+        """
+        if self.local_world_size <= visible:
+            return self.local_rank
+        if visible == 1:
+            return 0
+        seen = "unset: all of the node's" if cuda_visible_devices is None else repr(cuda_visible_devices)
+        raise ValueError(
+            f"{self.local_world_size} processes were started on this node but this one sees {visible} GPUs "
+            f"(CUDA_VISIBLE_DEVICES {seen}): each process needs a GPU of its own, and which of these is "
+            "this process's cannot be told. Start at most that many processes per node (--nproc-per-node, "
+            "srun --ntasks-per-node), give each task one GPU (srun --gpus-per-task=1), or pass --cpu / "
+            "Accelerator(cpu=True) to train on the CPU."
+        )
+
 
 def _int(env: Mapping[str, str], name: str) -> int:
     raw = env[name]

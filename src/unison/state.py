@@ -82,16 +82,11 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
 
 
 def _pick_device(layout: ProcessLayout, cpu: bool) -> tuple[torch.device, str]:
-    """Device and process-group backend: cuda:LOCAL_RANK + NCCL, else MPS (one process), else CPU + gloo."""
+    """Device and process-group backend: this process's GPU + NCCL (cuda:LOCAL_RANK, or cuda:0 where the
+    launcher gave each process one GPU: ProcessLayout.cuda_index), else MPS (one process), else CPU + gloo."""
     if not cpu and torch.cuda.is_available():
-        visible = torch.cuda.device_count()
-        if layout.local_world_size > visible:
-            raise ValueError(
-                f"{layout.local_world_size} processes were started on this node but only {visible} GPU(s) "
-                "are visible: each process needs its own GPU. Start at most that many processes per "
-                "node (--nproc-per-node), or pass --cpu / Accelerator(cpu=True) to train on the CPU."
-            )
-        return torch.device("cuda", layout.local_rank), "nccl"
+        index = layout.cuda_index(torch.cuda.device_count(), os.environ.get("CUDA_VISIBLE_DEVICES"))
+        return torch.device("cuda", index), "nccl"
     if not cpu and layout.world_size == 1 and torch.backends.mps.is_available():
         return torch.device("mps"), "gloo"
     return torch.device("cpu"), "gloo"
