@@ -57,7 +57,7 @@ class Position:
 
     kind: str
     call_site: str  # innermost frame of the user's code: "train.py:42 in main"
-    innermost: str  # innermost Python frame of all, where the thread actually is
+    innermost: str  # the library frame that call site is in ("dataloader.py:725 in __next__")
     op: str = ""
     shapes: tuple[str, ...] = ()
     group_ranks: tuple[int, ...] = ()  # empty: every process (the default group)
@@ -87,7 +87,9 @@ class Position:
             return f"in {self.op}{seq}{shapes}{group}{via}, called at {self.call_site}"
         if self.kind == "distributed":
             return f"waiting inside torch.distributed ({self.innermost}), called at {self.call_site}"
-        return f"at {self.call_site}" + (f", in {self.innermost}" if self.innermost != self.call_site else "")
+        return f"at {self.call_site}" + (
+            f", inside {self.innermost}" if self.innermost != self.call_site else ""
+        )
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -127,9 +129,11 @@ def traceback_position(tb: TracebackType | None) -> Position | None:
 
 def locate(frames: list[FrameType]) -> Position:
     """Describe a stack, given outermost first."""
-    user = [f for f in frames if _is_user_code(f.f_code.co_filename)]
-    call_site = _show(user[-1]) if user else _show(frames[-1])
-    innermost = _show(frames[-1])
+    user = [i for i, f in enumerate(frames) if _is_user_code(f.f_code.co_filename)]
+    call_site = _show(frames[user[-1]]) if user else _show(frames[-1])
+    # what the user's line called (e.g. "dataloader.py:725 in __next__"), more telling than the
+    # innermost frame of all (a selector's poll, a lock)
+    innermost = _show(frames[user[-1] + 1]) if user and user[-1] + 1 < len(frames) else _show(frames[-1])
     lines = tuple(_show(f) for f in frames)
     via = next((_unison_call(f) for f in frames if f.f_code.co_filename.startswith(_UNISON_DIR)), "")
     collective = next((f for f in frames if _is_c10d_api(f)), None)

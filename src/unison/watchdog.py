@@ -193,6 +193,10 @@ class Watchdog:
                     found[rank] = (Position.from_json(answer["position"]), answer["blocked"])
             if len(found) == self.world_size or time.monotonic() > deadline:
                 return {rank: found.get(rank) for rank in range(self.world_size)}
+            if self.store.check(["verdict"]):  # another rank reported while we asked
+                verdict = json.loads(self.store.get("verdict"))
+                if verdict["reporter"] != self.rank:
+                    self._obey(verdict)
             time.sleep(0.1)
 
     # -- ending ----------------------------------------------------------------------------------
