@@ -238,6 +238,9 @@ def test_more_processes_than_gpus(monkeypatch):
     )
 
 
+C10D = {"rdzv_endpoint": "10.0.0.1:29400"}
+
+
 @pytest.mark.parametrize(
     "options, expected",
     [
@@ -246,10 +249,29 @@ def test_more_processes_than_gpus(monkeypatch):
             {"rdzv_backend": "static", "rdzv_endpoint": "10.0.0.1:29555", "rdzv_configs": {"rank": 1}},
         ),
         (
-            LaunchOptions("x.py", nnodes="1:4", rdzv_endpoint="10.0.0.1:29400", rdzv_conf="is_host=1"),
+            LaunchOptions("x.py", nnodes="2", node_rank=1, master_addr="10.0.0.1", timeout=7.5),
+            {"rdzv_backend": "static", "rdzv_configs": {"rank": 1, "timeout": "8"}},  # whole seconds
+        ),
+        (  # --local-addr given: no route is looked up (this test needs no network)
+            LaunchOptions("x.py", nnodes="1:4", local_addr="10.0.0.2", **C10D, rdzv_conf="is_host=1"),
             {"rdzv_backend": "c10d", "rdzv_endpoint": "10.0.0.1:29400", "min_nodes": 1, "max_nodes": 4},
         ),
-        (LaunchOptions("x.py", nproc_per_node=3), {"rdzv_backend": "static", "nproc_per_node": 3}),
+        (  # the user's settings kept; --timeout bounds the join, and each try to reach the store
+            LaunchOptions("x.py", nnodes="2", local_addr="10.0.0.2", **C10D, timeout=30, rdzv_conf="a=b"),
+            {"rdzv_configs": {"a": "b", "join_timeout": "30", "read_timeout": "30"}},
+        ),
+        (
+            LaunchOptions("x.py", nnodes="2", local_addr="10.0.0.2", **C10D, timeout=900),
+            {"rdzv_configs": {"join_timeout": "900", "read_timeout": "60"}},  # torch's 60 s stays the most
+        ),
+        (  # one node: unison's rendezvous, which binds port 0 (the OS's pick) on loopback when it listens
+            LaunchOptions("x.py", nproc_per_node=3),
+            {"rdzv_backend": "unison-one-node", "rdzv_endpoint": "127.0.0.1:0", "nproc_per_node": 3},
+        ),
+        (
+            LaunchOptions("x.py", master_addr="::1", master_port=29555),
+            {"rdzv_backend": "unison-one-node", "rdzv_endpoint": "[::1]:29555"},
+        ),
     ],
 )
 def test_torchrun_config(options, expected, tmp_path):
@@ -262,9 +284,7 @@ def test_torchrun_config(options, expected, tmp_path):
             actual = {key: actual[key] for key in value}
         assert actual == value, name
     assert command == sys.executable and command_args == ["-u", "x.py"]
-    if options.nnodes == "1":
-        host, port = config.rdzv_endpoint.split(":")
-        assert host == "127.0.0.1" and 0 < int(port) < 65536
+    assert config.local_addr == options.local_addr
 
 
 def test_help_lists_commands_and_variables():

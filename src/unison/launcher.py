@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import logging
+import math
 import os
 import signal
 import socket
@@ -35,8 +36,9 @@ import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from . import launch_env
+from . import launch_env, network, rendezvous
 from .parallel.config import ParallelismConfig, is_auto
 from .plugins import layout_of, read_plugin
 from .state import validate_mixed_precision
@@ -56,6 +58,9 @@ share of the cores as OpenMP threads, is the sensible default; ask for more by n
 """
 
 DEFAULT_MASTER_PORT = 29500
+DEFAULT_C10D_PORT = 29400  # torchrun's, for an --rdzv-endpoint without a port
+C10D_READ_TIMEOUT_SECONDS = 60
+"""torch's default c10d read_timeout: how long a node tries to reach the rendezvous store (twice)."""
 
 
 class LaunchError(ValueError):
@@ -294,10 +299,29 @@ def _validate_static_multi_node(options: LaunchOptions, max_nodes: int, min_node
 
 
 def free_loopback_port() -> int:
-    """A TCP port nobody listens on at 127.0.0.1 right now (the OS picks it)."""
+    """A TCP port nobody listens on at 127.0.0.1 right now (the OS picks it).
+
+    For callers that must name a port before anything binds it (notebook_launcher's static
+    rendezvous); `unison launch` on one node binds port 0 itself instead (rendezvous.OneNodeRendezvous).
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def rendezvous_endpoint(options: LaunchOptions) -> tuple[str, int]:
+    """(host, port) where the nodes meet: --rdzv-endpoint, else --master-addr/--master-port.
+
+    One node without them: 127.0.0.1, port 0 (the OS picks it when the store binds).
+    """
+    if options.rdzv_endpoint:
+        try:
+            return parse_rendezvous_endpoint(options.rdzv_endpoint, DEFAULT_C10D_PORT)
+        except ValueError as error:
+            raise LaunchError(f"--rdzv-endpoint {options.rdzv_endpoint!r}: {error} Pass HOST:PORT.") from None
+    _, max_nodes = parse_nnodes(options.nnodes)
+    default_port = 0 if max_nodes == 1 else DEFAULT_MASTER_PORT
+    return options.master_addr or rendezvous.LOOPBACK_ADDRESS, options.master_port or default_port
 
 
 def worker_environment(
@@ -309,11 +333,14 @@ def worker_environment(
     timeout: float | None = None,
     parallelism: str | None = None,
     plugin: str | None = None,
+    rendezvous_host: str | None = None,
+    local_addr: str | None = None,
 ) -> dict[str, str]:
     """Variables exported to the workers (and torch's elastic agent) for one launch.
 
     Only settings that were given are exported, so variables the user exported by hand still reach
-    the workers when the flag is absent.
+    the workers when the flag is absent. With `rendezvous_host`, gloo's and NCCL's network interface
+    too (see `socket_interfaces`).
     """
     env = {}
     if cpu:
@@ -330,6 +357,8 @@ def worker_environment(
         env[launch_env.PARALLELISM] = parallelism.strip()
     if plugin is not None:
         env[launch_env.PLUGIN] = plugin
+    if rendezvous_host is not None:
+        env.update(socket_interfaces(rendezvous_host, local_addr))
     if "OMP_NUM_THREADS" not in os.environ:
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
         env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
@@ -339,9 +368,59 @@ def worker_environment(
     return env
 
 
+def socket_interfaces(rendezvous_host: str, local_addr: str | None = None) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for the interface that reaches the rendezvous host.
+
+    Left to gloo and NCCL, they bind the address the host name resolves to (gloo) or the first
+    non-loopback interface (NCCL): across nodes that is often 127.0.1.1 or the wrong network (see
+    `unison.network`). One node (127.0.0.1) gets `lo`: the workers' sockets then listen on loopback
+    only, not on the machine's network, and do not depend on the host name resolving. A variable the
+    user exported wins. One line says what was chosen and why (at debug level on loopback, where it
+    is the expected choice, else as info).
+    """
+    try:
+        choice = network.choose_interface(rendezvous_host, local_addr)
+    except network.NetworkError as error:
+        raise LaunchError(str(error)) from None
+    env = network.socket_interface_environment(choice, os.environ)
+    kept = [f"{name}={os.environ[name]}" for name in network.SOCKET_INTERFACE_VARIABLES if name in os.environ]
+    if choice.name is None:
+        line = (
+            f"unison launch: no network interface of this node holds {choice.address} ({choice.reason}); "
+            "gloo and NCCL choose their own. If the nodes cannot connect, export GLOO_SOCKET_IFNAME "
+            "(NCCL_SOCKET_IFNAME for GPUs) on every node."
+        )
+    elif env:
+        line = (
+            f"unison launch: the workers' gloo/NCCL sockets use network interface {choice.name}, which holds "
+            f"{choice.address} ({choice.reason}): {' '.join(f'{k}={v}' for k, v in sorted(env.items()))}"
+            + (f", keeping {', '.join(kept)} from the environment" if kept else "")
+            + ". Export the variable to choose another interface."
+        )
+    else:
+        line = f"unison launch: network interfaces from the environment: {', '.join(kept)}."
+    level = logging.DEBUG if network.is_loopback(choice.address) else logging.INFO
+    logger.log(level, "%s", line)
+    return env
+
+
 def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> list[str]:
-    """The torch.distributed.run command line equivalent to `options`."""
+    """The torch.distributed.run command line equivalent to `options`.
+
+    Beyond a plain translation of the flags:
+    - one node: unison's own rendezvous (rendezvous.OneNodeRendezvous), which binds its port when it
+      listens instead of being given one found free earlier;
+    - --timeout also bounds how long a node waits for the others to arrive (static: the store's
+      timeout; c10d: join_timeout, and read_timeout up to torch's 60 s default), unless --rdzv-conf
+      sets it: a node that never comes ends the others with a rendezvous error, not a long wait;
+    - c10d: the node that holds the endpoint's address hosts the rendezvous (is_host=1), and
+      --local-addr defaults to this node's address towards the endpoint; torch's guesses from the
+      host name fail where it resolves to a loopback address (Debian's default /etc/hosts).
+    """
     _, max_nodes = parse_nnodes(options.nnodes)
+    host, port = rendezvous_endpoint(options)
+    timeout = None if options.timeout is None else math.ceil(options.timeout)
+    local_addr = options.local_addr
     argv = [
         f"--nnodes={options.nnodes}",
         f"--nproc-per-node={nproc_per_node}",
@@ -357,22 +436,48 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
             f"--rdzv-endpoint={options.rdzv_endpoint}",
             f"--rdzv-id={options.rdzv_id}",
         ]
-        if options.rdzv_conf:
-            argv.append(f"--rdzv-conf={options.rdzv_conf}")
+        conf = _c10d_conf(options.rdzv_conf, host, timeout)
+        if conf:
+            argv.append(f"--rdzv-conf={conf}")
+        if local_addr is None:
+            local_addr = _network(network.address_towards, host, "--rdzv-endpoint")
     elif max_nodes == 1:
-        argv += [
-            f"--master-addr={options.master_addr or '127.0.0.1'}",
-            f"--master-port={options.master_port or free_loopback_port()}",
-        ]
+        argv += [f"--rdzv-backend={rendezvous.ONE_NODE_BACKEND}", f"--rdzv-endpoint={_join(host, port)}"]
     else:
-        argv += [
-            f"--master-addr={options.master_addr}",
-            f"--master-port={options.master_port or DEFAULT_MASTER_PORT}",
-            f"--node-rank={options.node_rank}",
-        ]
-    if options.local_addr:
-        argv.append(f"--local-addr={options.local_addr}")
+        argv += [f"--master-addr={host}", f"--master-port={port}", f"--node-rank={options.node_rank}"]
+        if timeout is not None:
+            argv.append(f"--rdzv-conf=timeout={timeout}")
+    if local_addr:
+        argv.append(f"--local-addr={local_addr}")
     return [*argv, options.script, *options.script_args]
+
+
+def _c10d_conf(given: str, host: str, timeout: int | None) -> str:
+    """--rdzv-conf for c10d: the user's settings, plus the timeouts and is_host it leaves unset."""
+    keys = {item.split("=", 1)[0].strip() for item in given.split(",") if item.strip()}
+    added = {}
+    if timeout is not None:
+        added["join_timeout"] = timeout
+        added["read_timeout"] = min(timeout, C10D_READ_TIMEOUT_SECONDS)
+    address = _network(network.resolve, host, "--rdzv-endpoint")
+    if not network.is_loopback(address) and network.interface_holding(address) is not None:
+        # torch's own test compares the host name's addresses; a loopback endpoint it recognises (and
+        # falls back to joining as a client when a second agent on the machine finds the port taken)
+        added["is_host"] = 1
+    return ",".join([*([given] if given else []), *(f"{k}={v}" for k, v in added.items() if k not in keys)])
+
+
+def _join(host: str, port: int) -> str:
+    """HOST:PORT as torch parses an endpoint ([::1]:PORT for an IPv6 address)."""
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _network(function, host: str, flag: str) -> str:
+    """network.resolve / network.address_towards with a NetworkError as the LaunchError it is."""
+    try:
+        return function(host, flag)
+    except network.NetworkError as error:
+        raise LaunchError(str(error)) from None
 
 
 @contextlib.contextmanager
@@ -403,6 +508,8 @@ def launch(options: LaunchOptions) -> int:
             timeout=options.timeout,
             parallelism=options.parallelism,
             plugin=options.plugin,
+            rendezvous_host=rendezvous_endpoint(options)[0],
+            local_addr=options.local_addr,
         )
         if options.debug:
             env[launch_env.DEBUG] = "1"
@@ -412,6 +519,8 @@ def launch(options: LaunchOptions) -> int:
                 torchrun.run(torchrun.get_args_parser().parse_args(argv))
             except ChildFailedError as error:
                 return _report_failure(error)
+            except rendezvous.FAILURES as error:
+                return _report_rendezvous_failure(error, options)
             except SignalException as error:
                 logger.error("unison launch: stopped by %s; the workers were terminated.", error.sigval.name)
                 return 128 + int(error.sigval)
@@ -447,6 +556,15 @@ def cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
         return (3 if record else 4), at
 
     return min(failures, key=lambda rank: kind(failures[rank]))
+
+
+def _report_rendezvous_failure(error: BaseException, options: LaunchOptions) -> int:
+    """The nodes could not meet: say where, why in torch's words, and what to check (exit code 1)."""
+    host, port = rendezvous_endpoint(options)
+    static_rank = options.node_rank if not options.rdzv_endpoint else None
+    node = "this node" if static_rank is None else f"node {static_rank}"
+    logger.error("%s", rendezvous.failure_message(error, _join(host, port), node, options.timeout))
+    return 1
 
 
 def _report_failure(error: ChildFailedError) -> int:

@@ -1,0 +1,254 @@
+"""Two machines for real: two network namespaces joined by a veth pair, one `unison launch` in each.
+
+Inside a namespace the host name resolves to a loopback address, as on hosts with Debian's default
+/etc/hosts: left alone, gloo would bind it and tell the other node to connect to its own loopback
+(`Gloo connectFullMesh failed ... remote=[127.0.0.1]`). Nothing here sets GLOO_SOCKET_IFNAME: unison
+must find the interface that reaches the rendezvous address by itself. Every launch of this module
+starts at once (their processes share the 2 cores) and the tests judge the results:
+- a one-node, 2-process run on loopback (the reference, and where its sockets listen);
+- the same training on two nodes with a static rendezvous (--master-addr) and with c10d
+  (--rdzv-endpoint): parameters equal to the reference's;
+- nodes whose peer never arrives: each ends with a rendezvous error naming the endpoint, within
+  its --timeout.
+
+The namespaces, their veth pair and the 10.213.0.0/24 addresses exist only for this module (names
+carry the pid, so parallel runs never collide); nothing outside them and loopback is contacted. They
+need root and `ip`; elsewhere the module is skipped with the reason.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from launching import REPO_ROOT
+
+WORKER = "tests/workers/multi_node_worker.py"
+NODE_A, NODE_B = "10.213.0.1", "10.213.0.2"
+LONELY_TIMEOUT = 4  # --timeout of the nodes left alone: how long they may wait for their peer
+
+
+@dataclass
+class Run:
+    """One `unison launch` process and what it left: exit code, output, seconds it took."""
+
+    process: subprocess.Popen
+    started: float
+    out: Path
+    returncode: int | None = None
+    output: str = ""
+    seconds: float = 0.0
+
+    def report(self) -> dict:
+        """What this node's one worker saw (multi_node_worker.py's rank file)."""
+        (path,) = self.out.glob("rank*.json")
+        return json.loads(path.read_text())
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return torch.load(self.out / "params.pt")
+
+
+def _ip(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+
+
+def _cannot_make_namespaces() -> str | None:
+    """Why two namespaces cannot be made here, or None when they can."""
+    if not sys.platform.startswith("linux"):
+        return "network namespaces are Linux's"
+    if shutil.which("ip") is None:
+        return "the `ip` command (iproute2) is not installed"
+    if os.geteuid() != 0:
+        return f"creating network namespaces needs root (running as uid {os.geteuid()})"
+    return None
+
+
+@pytest.fixture(scope="module")
+def namespaces():
+    """Two namespaces, A (10.213.0.1) and B (10.213.0.2), joined by a veth pair; removed afterwards."""
+    reason = _cannot_make_namespaces()
+    if reason:
+        pytest.skip(reason)
+    pid = os.getpid()
+    names = (f"unison-a-{pid}", f"unison-b-{pid}")
+    links = (f"un{pid}a", f"un{pid}b")  # interface names: 15 characters at most
+    try:
+        steps = [
+            ("netns", "add", names[0]),
+            ("netns", "add", names[1]),
+            ("link", "add", links[0], "type", "veth", "peer", "name", links[1]),
+        ]
+        for name, link, address in zip(names, links, (NODE_A, NODE_B)):
+            steps += [
+                ("link", "set", link, "netns", name),
+                ("-n", name, "address", "add", f"{address}/24", "dev", link),
+                ("-n", name, "link", "set", link, "up"),
+                ("-n", name, "link", "set", "lo", "up"),
+            ]
+        for step in steps:
+            result = _ip(*step)
+            if result.returncode != 0:
+                pytest.skip(f"`ip {' '.join(step)}` failed here: {result.stderr.strip()}")
+        yield dict(zip(("a", "b"), names)) | {"links": links}
+    finally:
+        _ip("link", "delete", links[0])  # only left where moving it into its namespace failed
+        for name in names:
+            _ip("netns", "delete", name)  # takes the veth end inside it along
+
+
+def _start(out: Path, launch_args: list[str], namespace: str | None = None, env: dict | None = None) -> Run:
+    out.mkdir()
+    command = [sys.executable, "-m", "unison", "launch", "--cpu", "--nproc-per-node", "1", *launch_args]
+    command += [WORKER, str(out)]
+    if namespace:
+        command = ["ip", "netns", "exec", namespace, *command]
+    process = subprocess.Popen(
+        command,
+        cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return Run(process, time.monotonic(), out)
+
+
+def _finish(run: Run, timeout: float) -> Run:
+    """Wait for the run (reading its output as it comes); kill it if it overstays `timeout` seconds."""
+    try:
+        run.output = run.process.communicate(timeout=timeout)[0]
+    except subprocess.TimeoutExpired:
+        run.process.kill()
+        run.output = run.process.communicate()[0] + f"\n(killed after {timeout} s)"
+    run.returncode = run.process.returncode
+    run.seconds = time.monotonic() - run.started
+    return run
+
+
+@pytest.fixture(scope="module")
+def runs(namespaces, tmp_path_factory):
+    """Every launch of this module, started at once; each waited for, and ended if it overstays."""
+    root = tmp_path_factory.mktemp("multi_node")
+    ns_a, ns_b = namespaces["a"], namespaces["b"]
+    static = ["--nnodes", "2", "--master-addr", NODE_A, "--timeout", "60"]  # port: 29500, the default
+    c10d = ["--nnodes", "2", "--rdzv-endpoint", f"{NODE_A}:29400", "--timeout", "60"]
+    lonely = ["--nnodes", "2", "--timeout", str(LONELY_TIMEOUT)]
+    started = {
+        "reference": _start(root / "reference", ["--nproc-per-node", "2"]),
+        "static_a": _start(root / "static_a", [*static, "--node-rank", "0"], ns_a),
+        "static_b": _start(root / "static_b", [*static, "--node-rank", "1"], ns_b),
+        "c10d_a": _start(root / "c10d_a", c10d, ns_a),
+        # a user's own NCCL_SOCKET_IFNAME stays (and this CPU run does not use it); gloo's is still chosen
+        "c10d_b": _start(root / "c10d_b", c10d, ns_b, env={"NCCL_SOCKET_IFNAME": "chosen-by-user"}),
+        # peers that never come: node 0 waits for node 1, node 1 for a node 0, c10d's host for a second node
+        "lonely_static_0": _start(
+            root / "lonely_static_0",
+            [*lonely, "--master-addr", NODE_A, "--master-port", "29510", "--node-rank", "0"],
+            ns_a,
+        ),
+        "lonely_static_1": _start(
+            root / "lonely_static_1",
+            [*lonely, "--master-addr", NODE_A, "--master-port", "29511", "--node-rank", "1"],
+            ns_b,
+        ),
+        "lonely_c10d": _start(root / "lonely_c10d", [*lonely, "--rdzv-endpoint", f"{NODE_A}:29410"], ns_a),
+    }
+    try:
+        with ThreadPoolExecutor(len(started)) as pool:  # one waiter each: each run's own duration
+            return dict(zip(started, pool.map(lambda run: _finish(run, timeout=120), started.values())))
+    finally:
+        for run in started.values():
+            if run.process.poll() is None:
+                run.process.kill()
+                run.process.wait()
+
+
+def _describe(run: Run) -> str:
+    return f"exit code {run.returncode} after {run.seconds:.1f} s\n{run.output}"
+
+
+@pytest.mark.parametrize("rendezvous", ["static", "c10d"])
+def test_two_nodes_train_as_one_node_with_two_processes(runs, rendezvous):
+    reference = runs["reference"]
+    assert reference.returncode == 0, _describe(reference)
+    nodes = [runs[f"{rendezvous}_a"], runs[f"{rendezvous}_b"]]
+    for node in nodes:
+        assert node.returncode == 0, _describe(node)
+    trained = next(node for node in nodes if (node.out / "params.pt").exists())  # rank 0's node
+    expected = reference.params()
+    for name, value in trained.params().items():
+        assert torch.equal(value, expected[name]), (name, (value - expected[name]).abs().max())
+    seen = {address: node.report() for address, node in zip((NODE_A, NODE_B), nodes)}
+    assert sorted((report["RANK"], report["WORLD_SIZE"]) for report in seen.values()) == [
+        ("0", "2"),
+        ("1", "2"),
+    ]
+    for address, report in seen.items():
+        assert report["MASTER_ADDR"] == NODE_A, report  # the address node B reaches node A by
+        assert report["gloo_listens"], report
+        assert {s.rsplit(":", 1)[0] for s in report["gloo_listens"]} == {address}, report  # the veth's only
+
+
+def test_the_interface_is_chosen_from_the_rendezvous_address_and_said(runs, namespaces):
+    link_a, link_b = namespaces["links"]
+    own = f"(the rendezvous address {NODE_A} is this node's)"
+    route = f"(this node's address on the route to the rendezvous host {NODE_A})"
+    said = {
+        "static_a": f"interface {link_a}, which holds {NODE_A} {own}: "
+        f"GLOO_SOCKET_IFNAME={link_a} NCCL_SOCKET_IFNAME={link_a}.",
+        "static_b": f"interface {link_b}, which holds {NODE_B} {route}: "
+        f"GLOO_SOCKET_IFNAME={link_b} NCCL_SOCKET_IFNAME={link_b}.",
+        "c10d_b": f"interface {link_b}, which holds {NODE_B} {route}: GLOO_SOCKET_IFNAME={link_b}, "
+        "keeping NCCL_SOCKET_IFNAME=chosen-by-user from the environment.",
+    }
+    for name, line in said.items():
+        assert line in runs[name].output, _describe(runs[name])
+    for name, link in (("static_a", link_a), ("static_b", link_b), ("c10d_a", link_a)):
+        seen = runs[name].report()
+        assert (seen["GLOO_SOCKET_IFNAME"], seen["NCCL_SOCKET_IFNAME"]) == (link, link), seen
+    seen = runs["c10d_b"].report()
+    assert (seen["GLOO_SOCKET_IFNAME"], seen["NCCL_SOCKET_IFNAME"]) == (link_b, "chosen-by-user"), seen
+
+
+def test_one_node_listens_on_loopback_only(runs):
+    """The one-node store (unison's rendezvous) and gloo's sockets accept no connection from outside."""
+    for path in sorted(runs["reference"].out.glob("rank*.json")):
+        seen = json.loads(path.read_text())
+        assert seen["GLOO_SOCKET_IFNAME"] == "lo" and seen["MASTER_ADDR"] == "127.0.0.1", seen
+        assert seen["store_listens"] == [f"127.0.0.1:{seen['MASTER_PORT']}"], seen
+        assert seen["gloo_listens"] and all(s.startswith("127.0.0.1:") for s in seen["gloo_listens"]), seen
+    assert "network interface" not in runs["reference"].output  # loopback is no news: said at debug level
+
+
+@pytest.mark.parametrize(
+    "name, torch_says",
+    [
+        ("lonely_static_0", "waiting for clients. 1/2 clients joined."),
+        ("lonely_static_1", f"while trying to connect to ({NODE_A}, 29511)."),
+        ("lonely_c10d", "RendezvousTimeoutError: not every node joined within the join timeout."),
+    ],
+)
+def test_a_node_that_never_arrives_ends_the_other_with_a_rendezvous_error(runs, name, torch_says):
+    run = runs[name]
+    assert run.returncode == 1, _describe(run)
+    endpoint = {"lonely_static_0": f"{NODE_A}:29510", "lonely_static_1": f"{NODE_A}:29511"}.get(
+        name, f"{NODE_A}:29410"
+    )
+    node = {"lonely_static_0": "node 0", "lonely_static_1": "node 1"}.get(name, "this node")
+    last = run.output.strip().splitlines()[-1]
+    assert last.startswith(f"unison launch: {node} could not join the rendezvous at {endpoint}: "), _describe(
+        run
+    )
+    assert f"within --timeout {LONELY_TIMEOUT} s of each other" in last, last
+    assert torch_says in last, last
+    assert "Traceback" not in run.output, _describe(run)
+    assert run.seconds < LONELY_TIMEOUT * 2 + 30, _describe(run)  # start-up on 2 busy cores, then the timeout
