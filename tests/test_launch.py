@@ -80,18 +80,20 @@ def test_launch_prefixes_output_and_exports_flags(tmp_path, nproc):
     assert "warn" not in result.stderr.lower(), result.stderr
 
 
-def test_crash_on_one_rank_ends_the_launch_quickly_naming_that_rank():
+def test_crash_on_one_rank_ends_the_launch_quickly_naming_that_rank(tmp_path):
     """Rank 1 raises; rank 0 waits in a collective, rank 2 in none. The group timeout is 300 s: a launch
     that waited for it would take over five minutes. Every process ends within 10 s of the failure (about
     2 s on an idle 2-core machine); rank 1's traceback is printed once, the "connection closed" error of
-    rank 0 (a consequence) not at all, and the summary names rank 1, never a rank the agent terminated."""
-    result = launch(WORKER, 3, "crash", launch_args=["--timeout", "300"], timeout=400)
+    rank 0 (a consequence) not at all, and the summary names rank 1, never a rank the agent terminated.
+    The failed rank exits the normal way: its atexit handlers run (tracker and log flushes)."""
+    result = launch(WORKER, 3, "crash", tmp_path, launch_args=["--timeout", "300"], timeout=400)
     ended = time.time()
     assert result.returncode == 1, describe(result)
     failed_at = float(result.stdout.split("[rank1]: failing at ")[1].split()[0])
     assert ended - failed_at < 10, f"ended {ended - failed_at:.1f} s after the failure\n{describe(result)}"
     assert "[rank1]: [unison] rank 1 failed:" in result.stderr, describe(result)
-    assert result.stderr.count("RuntimeError: deliberate failure on rank 1") == 2, describe(result)  # + summary
+    # once in its traceback, once in the summary
+    assert result.stderr.count("RuntimeError: deliberate failure on rank 1") == 2, describe(result)
     assert "Traceback" not in result.stderr.replace("[rank1]: Traceback", ""), describe(result)
     assert "Connection closed" not in result.stderr, describe(result)
     summary = result.stderr.strip().splitlines()[-1]
@@ -101,6 +103,7 @@ def test_crash_on_one_rank_ends_the_launch_quickly_naming_that_rank():
     # torch's agent lines about whom it signalled (and its own guess at the first failure) are dropped
     assert "closing signal" not in result.stderr and "of binary" not in result.stderr, describe(result)
     assert "passed the all_reduce" not in result.stdout
+    assert (tmp_path / "flushed-rank1").read_text() == "flushed", "rank 1's atexit handlers did not run"
 
 
 def test_ctrl_c_stops_every_process_with_one_line(tmp_path):

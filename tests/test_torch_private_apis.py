@@ -103,3 +103,23 @@ def test_ddp_says_whether_its_forward_armed_the_backward_all_reduce():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_a_group_counts_the_collectives_it_issued():
+    """unison.position.sequence_number reads ProcessGroup._get_sequence_number_for_group: the hang
+    watchdog tells ranks that diverged by it (0 before any collective, +1 per collective, on gloo)."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from unison.position import sequence_number
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+        before = dist.group.WORLD._get_sequence_number_for_group()
+        dist.all_reduce(torch.ones(1))
+        dist.broadcast(torch.ones(1), src=0)
+        assert (before, sequence_number()) == (0, 2), (before, sequence_number())
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

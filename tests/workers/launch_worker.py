@@ -1,11 +1,13 @@
 """Launched by tests/test_launch.py. Usage: launch_worker.py MODE [OUT_DIR].
 
 report:  form the group, all_reduce, and write what this rank saw (env, state) to OUT_DIR/rank{R}.json.
-crash:   rank 1 raises after a broadcast while rank 0 waits in the next collective and rank 2 in none.
+crash:   rank 1 raises after a broadcast while rank 0 waits in the next collective and rank 2 in none;
+         rank 1's atexit handler (a tracker's flush, say) writes OUT_DIR/flushed-rank1.
 sleep:   say ready, then sleep until interrupted (Ctrl-C on the launcher).
 restart: rank 1 raises on the first attempt (after the group formed); the second attempt succeeds.
 """
 
+import atexit
 import json
 import os
 import sys
@@ -55,6 +57,7 @@ elif mode == "crash":
     else:
         dist.broadcast(torch.zeros(1), src=0, group=peers)  # ranks 0 and 1 agree once more...
         if rank == 1:
+            atexit.register(lambda: (Path(sys.argv[2]) / "flushed-rank1").write_text("flushed"))
             time.sleep(0.5)  # let rank 0 block in the next collective first
             print(f"failing at {time.time()}", flush=True)
             raise RuntimeError("deliberate failure on rank 1")
