@@ -252,3 +252,29 @@ def test_a_node_that_never_arrives_ends_the_other_with_a_rendezvous_error(runs, 
     assert torch_says in last, last
     assert "Traceback" not in run.output, _describe(run)
     assert run.seconds < LONELY_TIMEOUT * 2 + 30, _describe(run)  # start-up on 2 busy cores, then the timeout
+
+
+def test_an_address_this_node_cannot_reach_is_named(namespaces):
+    """Inside node A (only its veth's network and lo): no route, and no name server to ask. The check is
+    unison.network loaded alone (stdlib only), so it costs no torch import."""
+    script = (
+        "import importlib.util, sys\n"
+        "spec = importlib.util.spec_from_file_location('network', sys.argv[1])\n"
+        "network = sys.modules['network'] = importlib.util.module_from_spec(spec)\n"
+        "spec.loader.exec_module(network)\n"
+        "for host in sys.argv[2:]:\n"
+        "    try:\n"
+        "        network.choose_interface(host)\n"
+        "    except network.NetworkError as error:\n"
+        "        print(error)\n"
+    )
+    path = REPO_ROOT / "src" / "unison" / "network.py"
+    command = ["ip", "netns", "exec", namespaces["a"], sys.executable, "-c", script, str(path)]
+    result = subprocess.run([*command, "192.168.77.1", "node-z"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+    no_route, no_name = result.stdout.splitlines()
+    assert no_route.startswith("the rendezvous host 192.168.77.1: this node has no route to that address"), (
+        no_route
+    )
+    assert no_name.startswith("the rendezvous host 'node-z' does not resolve on this node ("), no_name
+    assert no_name.endswith("pass the IP address of that node, or add its name to DNS or /etc/hosts here.")

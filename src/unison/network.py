@@ -92,7 +92,7 @@ def interface_holding(address: str) -> str | None:
     if ip.version == 6:
         for line in _IF_INET6.read_text().splitlines() if _IF_INET6.exists() else ():
             fields = line.split()
-            if ipaddress.ip_address(int(fields[0], 16)) == ip:
+            if ipaddress.IPv6Address(int(fields[0], 16)) == ip:
                 return fields[5]
         return None
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as query:
