@@ -90,12 +90,18 @@ def test_a_named_barrier_reports_the_rank_that_never_arrived():
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
 def test_collectives_of_different_shapes(debug):
     """All-reduces of 1 and 2 elements: by default the watchdog reports them (same collective and sequence
-    number, other shapes); with --debug torch checks every collective first and every rank raises at once."""
+    number, other shapes); with --debug torch checks every collective first, every rank raises at once, and
+    the first to fail lists every rank's call and line."""
     result = launch(WORKER, 2, "mismatch", launch_args=["--debug"] if debug else [], timeout=120)
     assert result.returncode == 1, describe(result)
     if debug:
         assert "Detected mismatch between collectives on ranks" in summary_of(result), describe(result)
         assert "ranks called different collectives" not in result.stderr
+        line = line_of("dist.all_reduce(torch.ones(rank + 1))")
+        for rank, shape in ((0, 1), (1, 2)):  # each rank's call and line, printed once by the first rank
+            assert f"  rank {rank}: in all_reduce #0 of tensor=float32[{shape}], called at " in result.stderr
+        assert result.stderr.count("Each rank's call:") == 1, describe(result)
+        assert f"tests/workers/hang_worker.py:{line} in <module>" in result.stderr
     else:
         assert "rank 0: in all_reduce #1 of tensor=float32[1]" in result.stderr, describe(result)
         assert "rank 1: in all_reduce #1 of tensor=float32[2]" in result.stderr

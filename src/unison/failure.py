@@ -45,19 +45,23 @@ def end_fast_on_uncaught_error(rank: str, watchdog: Watchdog | None) -> None:
             threading.Event().wait(EXIT_GRACE_SECONDS)  # its thread ends the process
         summary = f"{exc_type.__name__}: {exc}".strip()
         first_line = summary.splitlines()[0] if summary else exc_type.__name__
-        if watchdog is not None and _is_collective_timeout(exc):
-            here = traceback_position(tb)
-            if here is not None:
-                with contextlib.suppress(Exception):
-                    watchdog.report("stall", here, _waited(exc))  # diagnoses, dumps stacks and exits
+        here = traceback_position(tb)
+        if watchdog is not None and here is not None and _is_collective_timeout(exc):
+            with contextlib.suppress(Exception):
+                watchdog.report("stall", here, _waited(exc))  # diagnoses, dumps stacks and exits
+        mismatch = watchdog is not None and here is not None and _is_mismatch(exc)
+        if mismatch:  # every rank raises it: the first names each rank's call
+            with contextlib.suppress(Exception):
+                watchdog.share_raised(here)
         first = not _is_peer_gone(exc)
         if watchdog is not None and first:
             with contextlib.suppress(Exception):  # the store is gone: say everything, as the first
                 first = watchdog.announce_failure(f"rank {rank} failed: {first_line}")
         text = "".join(traceback.format_exception(exc_type, exc, tb))
         if first:
-            sys.stderr.write(f"[unison] rank {rank} failed:\n{text}")
-            record_for_the_elastic_agent(rank, summary, text)
+            calls = watchdog.raised_calls() if mismatch else ""
+            sys.stderr.write(f"[unison] rank {rank} failed:\n{text}{calls}")
+            record_for_the_elastic_agent(rank, summary, text + calls)
         else:  # silent: `unison launch` lists these ranks in one line after the cause
             record_for_the_elastic_agent(rank, f"stopped after another rank ended: {first_line}", text, True)
         sys.stdout.flush()
@@ -99,6 +103,16 @@ def _is_peer_gone(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and any(
         phrase in text
         for phrase in ("connection closed by peer", "connection reset by peer", "remote process exit")
+    )
+
+
+def _is_mismatch(exc: BaseException) -> bool:
+    """Ranks called different collectives and every rank raises it (debug mode's checks: torch's
+    "Detected mismatch between collectives", unison's DistributedOperationException)."""
+    from .ops import DistributedOperationException  # ops imports state, which imports this module
+
+    return isinstance(exc, DistributedOperationException) or "Detected mismatch between collectives" in str(
+        exc
     )
 
 

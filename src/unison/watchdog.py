@@ -267,6 +267,25 @@ class Watchdog:
             while time.monotonic() < deadline and (host != socket.gethostname() or _running(int(pid))):
                 time.sleep(0.05)
 
+    def share_raised(self, here: Position) -> None:
+        """Publish where this rank raised an error that every rank raises (a collective mismatch)."""
+        self.store.set(f"raised/{self.rank}", json.dumps(here.to_json()))
+
+    def raised_calls(self) -> str:
+        """Each rank's call where it raised the shared error, one line per rank (waits for the others'
+        at most ANSWER_WAIT_SECONDS); an empty string if the store cannot be read."""
+        deadline = time.monotonic() + ANSWER_WAIT_SECONDS
+        keys = [f"raised/{rank}" for rank in range(self.world_size)]
+        with contextlib.suppress(Exception):
+            while not self.store.check(keys) and time.monotonic() < deadline:
+                time.sleep(0.05)
+            lines = ["Each rank's call:"]
+            for rank, key in enumerate(keys):
+                found = self.store.check([key]) and Position.from_json(json.loads(self.store.get(key)))
+                lines.append(f"  rank {rank}: {found.describe() if found else 'did not raise it'}")
+            return "\n".join(lines) + "\n"
+        return ""
+
     def announce_failure(self, message: str) -> bool:
         """A rank raised: the first to announce returns True (its traceback is the one to print), and its
         peers' watchdogs end them at their next check."""
