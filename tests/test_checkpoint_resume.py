@@ -114,20 +114,34 @@ def test_resume_on_another_number_of_processes_follows_the_same_trajectory(tmp_p
         assert max_diff(params(out), params(reference)) < 1e-5, (nproc, accum)
 
 
-def test_mid_epoch_resume_on_other_processes_and_accumulation_keeps_the_windows(tmp_path):
-    """2 processes x accumulation 2, saved at step 3 (mid-epoch), resumed on 1 process x accumulation 4:
-    the same 18 optimizer steps and parameters as the uninterrupted 1-process run (the saved micro-step
-    count, 6 of k=2, ended the resumed run's first k=4 window after 2 micro-batches: 19 steps, 1.2e-2 off)."""
+def test_resume_at_every_save_point_on_1_2_and_4_processes_with_accumulation_adjusted(tmp_path):
+    """2 processes x accumulation 2 (96 shuffled samples, micro-batch 4, AdamW, 3 epochs of 6 steps),
+    saved every 3 optimizer steps; the saves at steps 3 (mid-epoch), 6 (an epoch boundary) and 9 (mid
+    second epoch) are resumed on 1 x 4, 2 x 2 and 4 x 1 (the same global batch of 16): each takes the
+    same 18 optimizer steps as the uninterrupted run and ends within 1e-4 of it (AdamW; measured 3e-8).
+    Before the fix, the mid-epoch save resumed on 1 x 4 took 19 steps and ended 1.2e-2 away. A position
+    that is no whole number of the resuming run's global batch (48 samples in steps of 5) is refused by
+    load_state before anything is applied."""
     worker = WORKERS / "resize_window_worker.py"
-    launch_ok(worker, 2, tmp_path / "saved", 2, "-")
-    launch_ok(worker, 1, tmp_path / "whole", 4, "-")
-    launch_ok(worker, 1, tmp_path / "resumed", 4, tmp_path / "saved" / "ckpt_3")
-    whole, resumed = (
-        json.loads((tmp_path / run / "result.json").read_text()) for run in ("whole", "resumed")
-    )
-    assert whole["steps"] == resumed["steps"] == 18
-    for name, values in whole["params"].items():
-        assert torch.allclose(torch.tensor(resumed["params"][name]), torch.tensor(values), atol=1e-6), name
+    saved = tmp_path / "saved"
+    launch_ok(worker, 2, saved, 2, "-")
+    saves = [saved / f"ckpt_{step}" for step in (3, 6, 9)]
+    runs = {1: ["-", *map(str, saves), f"{saves[0]}:5"], 2: list(map(str, saves)), 4: list(map(str, saves))}
+    for nproc, accumulation in ((1, 4), (2, 2), (4, 1)):
+        launch_ok(worker, nproc, tmp_path / f"on{nproc}", accumulation, ",".join(runs[nproc]))
+    whole = json.loads((tmp_path / "on1" / "result.json").read_text())
+    assert whole["steps"] == 18
+    for nproc in (1, 2, 4):
+        for save in saves:
+            resumed = json.loads((tmp_path / f"on{nproc}" / f"{save.name}.json").read_text())
+            assert resumed["steps"] == 18, (nproc, save.name, resumed["steps"])
+            for name, values in whole["params"].items():
+                diff = (torch.tensor(resumed["params"][name]) - torch.tensor(values)).abs().max().item()
+                assert diff < 1e-4, (nproc, save.name, name, diff)
+    refused = json.loads((tmp_path / "on1" / "ckpt_3_mb5.json").read_text())
+    assert refused["refused"].startswith("CheckpointError: "), refused
+    assert "samples_consumed=48: that is not a multiple of its total_batch_size=5" in refused["refused"]
+    assert refused["untouched"], "the model was changed before the checkpoint was refused"
 
 
 @pytest.mark.usefixtures("fresh_state")

@@ -1,39 +1,65 @@
-"""Launched worker: resume on another number of processes AND another accumulation, mid-epoch.
+"""Launched worker: resume on another number of processes AND another accumulation, mid-epoch or not.
 
-Usage: resize_window_worker.py OUT_DIR ACCUMULATION RESUME_DIR_OR_DASH. Trains a linear model on 96
-shuffled samples (micro-batch 4 per process, AdamW, 3 epochs), saving the training state every 3
-optimizer steps under OUT_DIR/ckpt_<step>; with RESUME_DIR it loads that first. Process 0 writes
-OUT_DIR/result.json: optimizer steps taken and the final parameters.
+Usage: resize_window_worker.py OUT_DIR ACCUMULATION RUNS. Trains a linear model on 96 shuffled samples
+(micro-batch 4 per process, AdamW, 3 epochs), saving the training state every 3 optimizer steps under
+OUT_DIR/ckpt_<step>. RUNS is comma-separated, run in turn in this launch, each with a fresh Accelerator,
+model and loader: "-" trains from the start, a checkpoint directory resumes from it, and DIR:B resumes
+from it with micro-batch B. Process 0 writes OUT_DIR/<name>.json per run ("result" from the start, else
+the checkpoint's directory name, with "_mb<B>"): the optimizer steps taken and the final parameters, or,
+when load_state refused the checkpoint, its message and whether the model was left untouched.
 """
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Accelerator
+from unison import Accelerator, AcceleratorState, GradientState
 
-out, accumulation, resume = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, project_dir=out)
-torch.manual_seed(0)
-data = TensorDataset(torch.randn(96, 4), torch.randn(96, 1))
-model = torch.nn.Linear(4, 1)
-optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
-loader = DataLoader(data, batch_size=4, shuffle=True)
-model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-if resume != "-":
-    accelerator.load_state(resume)
-for _ in range(loader.epoch, 3):
-    for x, y in loader:
-        with accelerator.accumulate(model):
-            accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
-            optimizer.step()
-            optimizer.zero_grad()
-        if accelerator.sync_gradients and accelerator.optimizer_steps % 3 == 0:
-            accelerator.save_state(f"{out}/ckpt_{accelerator.optimizer_steps}")
-state = accelerator.get_state_dict(model)
-if accelerator.is_main_process:
-    result = {"steps": accelerator.optimizer_steps, "params": {k: v.tolist() for k, v in state.items()}}
-    with open(f"{out}/result.json", "w") as file:
-        json.dump(result, file)
+out, accumulation, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
+
+
+def run(spec: str) -> dict:
+    AcceleratorState._reset_state()  # a fresh Accelerator per run; the process group stays
+    GradientState._reset_state()
+    resume, _, batch = spec.partition(":")
+    micro_batch = int(batch or 4)
+    name = "result" if resume == "-" else Path(resume).name + (f"_mb{batch}" if batch else "")
+    accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation, project_dir=f"{out}/{name}")
+    torch.manual_seed(0)
+    data = TensorDataset(torch.randn(96, 4), torch.randn(96, 1))
+    model = torch.nn.Linear(4, 1)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.05)
+    loader = DataLoader(data, batch_size=micro_batch, shuffle=True)
+    model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if resume != "-":
+        before = {k: v.clone() for k, v in accelerator.get_state_dict(model).items()}
+        try:
+            accelerator.load_state(resume)
+        except Exception as error:
+            after = accelerator.get_state_dict(model)
+            untouched = all(torch.equal(before[k], after[k]) for k in before)
+            return {"name": name, "refused": f"{type(error).__name__}: {error}", "untouched": untouched}
+    for _ in range(loader.epoch, 3):
+        for x, y in loader:
+            with accelerator.accumulate(model):
+                accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+                optimizer.step()
+                optimizer.zero_grad()
+            if accelerator.sync_gradients and accelerator.optimizer_steps % 3 == 0:
+                accelerator.save_state(f"{out}/ckpt_{accelerator.optimizer_steps}")
+    state = accelerator.get_state_dict(model)
+    return {
+        "name": name,
+        "steps": accelerator.optimizer_steps,
+        "params": {k: v.tolist() for k, v in state.items()},
+    }
+
+
+for spec in runs:
+    result = run(spec)
+    if AcceleratorState().is_main_process:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, f"{result['name']}.json").write_text(json.dumps(result))

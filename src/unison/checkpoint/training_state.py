@@ -301,8 +301,9 @@ def _fit_error(
     model_keys: dict[str, frozenset[str]],
 ) -> Exception | None:
     """Whether the files read whole fit the live objects, checked before anything is applied: a plain
-    or DDP run's model and optimizer files loaded into a sharded layout, and, with strict, each model
-    file's keys (exactly the model's, as torch's load_state_dict(strict=True) wants them)."""
+    or DDP run's model and optimizer files loaded into a sharded layout, with strict each model file's
+    keys (exactly the model's, as torch's load_state_dict(strict=True) wants them), and each prepared
+    data loader's position (a whole number of its steps on this run's processes)."""
     try:
         for name in [name for name in parts if name in loaded]:
             is_model = name.startswith("model_")
@@ -318,8 +319,12 @@ def _fit_error(
                 unexpected = [key for key in loaded[name] if key not in keys]
                 if missing or unexpected:
                     raise model_keys_error(missing, unexpected)
+            elif hasattr(parts[name], "check_state_dict"):  # a prepared data loader: can it go on from here?
+                parts[name].check_state_dict(loaded[name])
     except CheckpointError as error:
         return error
+    except ValueError as error:  # a loader's position that this run's processes cannot continue
+        return CheckpointError(f"{name}: {error}")
     return None
 
 

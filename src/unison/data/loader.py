@@ -252,13 +252,11 @@ class PreparedDataLoader(DataLoader):
     def _order(self) -> str:
         return "seedable" if self.use_seedable_sampler else "torch"
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue where `state` (from state_dict, maybe of another number of processes) stood.
-
-        The next pass yields exactly the batches the saved loader had not yet handed out, in the same
-        order, skipping the others in the sampler (iterable data is read through). A position that is
-        not a whole number of this loader's steps is a ValueError: nothing is changed then.
-        """
+    def check_state_dict(self, state: dict[str, Any]) -> None:
+        """Raise a ValueError, changing nothing, unless this loader can continue from `state`: it must
+        come from a prepared loader of the same order scheme and shuffle setting, at a position that is a
+        whole number of this loader's steps (a global batch that divides the samples consumed).
+        Accelerator.load_state checks every loader this way before it applies anything."""
         missing = [key for key in STATE_KEYS if key not in state]
         if missing:
             raise ValueError(
@@ -296,6 +294,18 @@ class PreparedDataLoader(DataLoader):
                 f"(or per-process batch size) whose global batch divides {consumed}, or save at a step "
                 "where it does."
             )
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue where `state` (from state_dict, maybe of another number of processes) stood.
+
+        The next pass yields exactly the batches the saved loader had not yet handed out, in the same
+        order, skipping the others in the sampler (iterable data is read through). A state this loader
+        cannot continue (see check_state_dict) is a ValueError: nothing is changed then.
+        """
+        self.check_state_dict(state)
+        shuffle, seed = self._shuffle_sampler(), state["seed"]
+        began = state["pass_states"]
+        consumed, step = int(state["samples_consumed"]), self.samples_per_step
         if shuffle is not None:
             shuffle.seed = int(seed)
         self.worker_seed = int(state["worker_seed"])
