@@ -290,6 +290,15 @@ def test_torchrun_config(options, expected, tmp_path):
     assert config.local_addr == options.local_addr
 
 
+def test_an_elastic_range_keeps_torchs_join_timeout(tmp_path):
+    """--nnodes 1:2: after a node is lost, the others wait for its heartbeat to lapse and for the last
+    call before going on without it (measured 44 s); a --timeout sized for collectives would end that."""
+    options = LaunchOptions("x.py", nnodes="1:2", local_addr="10.0.0.2", **C10D, timeout=20)
+    argv = launcher.torchrun_argv(options, 1, str(tmp_path))
+    config, _, _ = torchrun.config_from_args(torchrun.get_args_parser().parse_args(argv))
+    assert config.rdzv_configs["read_timeout"] == "20" and "join_timeout" not in config.rdzv_configs
+
+
 def test_help_lists_commands_and_variables():
     top = run_cli("--help")
     assert top.returncode == 0 and "launch" in top.stdout and "env" in top.stdout, describe(top)

@@ -7,9 +7,11 @@ namespace, exports the UNISON_* variables of `launch_env` (how the flags reach `
 defaults) and runs torch's launcher in-process.
 
 What it adds to a bare torchrun:
-- one node: the rendezvous is 127.0.0.1 on a free port, so two launches on one machine never
-  collide and the workers meet over loopback (torch's TCPStore server itself listens on every
-  interface at that port; its rendezvous handlers offer no way to bind it to one address);
+- one node: the rendezvous store listens on 127.0.0.1 only, on a port the OS picks as it binds
+  (`rendezvous.OneNodeRendezvous`), so two launches on one machine never collide, and the workers'
+  gloo/NCCL sockets bind loopback too;
+- several nodes: the workers' sockets use the interface that reaches the rendezvous address
+  (`network`), and a node whose peers never arrive ends with one line naming the endpoint;
 - every line a worker prints is prefixed with its global rank ("[rank1]: ...");
 - a failed run returns a non-zero exit code with one short summary instead of torch's report, the
   failing rank's own traceback having been printed (prefixed) by the worker itself;
@@ -411,13 +413,13 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
     - one node: unison's own rendezvous (rendezvous.OneNodeRendezvous), which binds its port when it
       listens instead of being given one found free earlier;
     - --timeout also bounds how long a node waits for the others to arrive (static: the store's
-      timeout; c10d: join_timeout, and read_timeout up to torch's 60 s default), unless --rdzv-conf
-      sets it: a node that never comes ends the others with a rendezvous error, not a long wait;
+      timeout; c10d: join_timeout for a fixed --nnodes, and read_timeout up to torch's 60 s default),
+      unless --rdzv-conf sets it: a node that never comes ends the others with a rendezvous error;
     - c10d: the node that holds the endpoint's address hosts the rendezvous (is_host=1), and
       --local-addr defaults to this node's address towards the endpoint; torch's guesses from the
       host name fail where it resolves to a loopback address (Debian's default /etc/hosts).
     """
-    _, max_nodes = parse_nnodes(options.nnodes)
+    min_nodes, max_nodes = parse_nnodes(options.nnodes)
     host, port = rendezvous_endpoint(options)
     timeout = None if options.timeout is None else math.ceil(options.timeout)
     local_addr = options.local_addr
@@ -436,7 +438,7 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
             f"--rdzv-endpoint={options.rdzv_endpoint}",
             f"--rdzv-id={options.rdzv_id}",
         ]
-        conf = _c10d_conf(options.rdzv_conf, host, timeout)
+        conf = _c10d_conf(options.rdzv_conf, host, timeout, elastic=min_nodes < max_nodes)
         if conf:
             argv.append(f"--rdzv-conf={conf}")
         if local_addr is None:
@@ -452,12 +454,18 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
     return [*argv, options.script, *options.script_args]
 
 
-def _c10d_conf(given: str, host: str, timeout: int | None) -> str:
-    """--rdzv-conf for c10d: the user's settings, plus the timeouts and is_host it leaves unset."""
+def _c10d_conf(given: str, host: str, timeout: int | None, elastic: bool) -> str:
+    """--rdzv-conf for c10d: the user's settings, plus the timeouts and is_host it leaves unset.
+
+    An elastic range (--nnodes 1:2) keeps torch's join_timeout (600 s): after a node is lost, the
+    others wait for its heartbeat to lapse and then for the last call (30 s) before they go on
+    without it, longer than a --timeout sized for collectives (measured: 20 s ended the restart).
+    """
     keys = {item.split("=", 1)[0].strip() for item in given.split(",") if item.strip()}
     added = {}
     if timeout is not None:
-        added["join_timeout"] = timeout
+        if not elastic:
+            added["join_timeout"] = timeout
         added["read_timeout"] = min(timeout, C10D_READ_TIMEOUT_SECONDS)
     address = _network(network.resolve, host, "--rdzv-endpoint")
     if not network.is_loopback(address) and network.interface_holding(address) is not None:

@@ -35,18 +35,17 @@ EPILOG = (
 
 one node:
   unison launch --nproc-per-node 2 train.py --lr 1e-3
-  (the rendezvous binds to 127.0.0.1 on a free port; no address or port needed)
+  (the rendezvous listens on 127.0.0.1, on a port the OS picks as it binds; no address or port needed)
 
 several nodes, static rendezvous (run on every node, node ranks 0..N-1):
   unison launch --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --master-port 29500 \\
       --nproc-per-node 8 train.py
 several nodes, c10d rendezvous (ranks follow the order nodes join; --node-rank is ignored,
-  --master-addr and --master-port are refused):
-  unison launch --nnodes 2 --rdzv-endpoint 10.0.0.1:29400 --local-addr THIS_NODE_IP \\
-      --nproc-per-node 8 train.py
-  If the hosting node does not recognise the endpoint as its own, add --rdzv-conf is_host=1 there.
-  gloo (CPU) binds the address the host name resolves to, often 127.0.0.1: across machines export
-  GLOO_SOCKET_IFNAME=<interface, e.g. eth0> on every node (NCCL: NCCL_SOCKET_IFNAME).
+  --master-addr and --master-port are refused; the node holding the endpoint's address hosts it):
+  unison launch --nnodes 2 --rdzv-endpoint 10.0.0.1:29400 --nproc-per-node 8 train.py
+  The workers' gloo/NCCL sockets use the network interface through which this node reaches the
+  rendezvous address (one line says which); export GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose
+  another. --timeout also bounds how long a node waits for the others to arrive. See docs/multi-node.md.
 """
 )
 
@@ -112,7 +111,11 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     group.add_argument(*_spellings("rdzv-endpoint"), default=None, help="HOST:PORT of a c10d rendezvous")
     group.add_argument(*_spellings("rdzv-id"), default="unison", help="job id shared by the nodes (c10d)")
     group.add_argument(*_spellings("rdzv-conf"), default="", help="extra c10d settings, e.g. is_host=1")
-    group.add_argument(*_spellings("local-addr"), default=None, help="this node's address as others reach it")
+    group.add_argument(
+        *_spellings("local-addr"),
+        default=None,
+        help="this node's address as the others reach it (c10d; default: its address towards the endpoint)",
+    )
     group.add_argument(
         *_spellings("max-restarts"), type=int, default=0, help="restart all workers up to this many times"
     )
