@@ -230,7 +230,7 @@ class SlurmEnvironment:
     branch (commit 87077e7c, 2026) writes those special ids as negative numbers instead of leaving the
     variable out, so a step is a SLURM_STEP_ID that is a non-negative integer. Lightning keys the same
     decision on the job name 'bash' / 'interactive', which also turns away `srun` inside an salloc
-    shell (its issue #20776, fixed by reading SLURM_STEP_ID in PR #21712); submitit avoids it by
+    shell (its issue #20776; its open PR #21712 reads SLURM_STEP_ID first); submitit avoids it by
     always starting tasks with srun from its batch file. Outside a step this is one process, and with
     several tasks a warning says why and how to start them all.
 
