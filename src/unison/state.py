@@ -163,9 +163,9 @@ def _destroy_process_group() -> None:
 class PartialState:
     """Process facts and the process group, shared by every instance in the process.
 
-    The first construction detects the environment (torchrun / `unison launch`, SLURM srun, or plain
-    python), picks the device and backend, and forms the process group once with a finite timeout.
-    Later constructions return the same state; asking for a different `cpu` or `timeout` then is an
+    The first construction detects the environment (torchrun / `unison launch`, mpirun, SLURM srun, or
+    plain python; docs/launchers.md), picks the device and backend, forms the process group once and
+    starts the hang watchdog (`timeout` is its stall timeout; docs/failures.md). Later constructions return the same state; asking for a different `cpu` or `timeout` then is an
     error rather than a silent no-op. A process group the script formed itself is adopted as it is,
     with its own timeout (`timeout` is then None, and asking for one is an error).
     """

@@ -97,7 +97,7 @@ class Watchdog:
         self._since = time.monotonic()
         self._checked = False  # this blocked position was already compared with the others
         self._answered = 0
-        self._stopped = False  # this rank failed and ends by its own exit path
+        self._stop = threading.Event()  # set when this rank failed (it ends by its own exit path) or exits
         self.ending = False  # a report is being made or obeyed: this thread ends the process
         self._ending = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="unison-watchdog", daemon=True)
@@ -129,17 +129,20 @@ class Watchdog:
             faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True, chain=False)
         # Registered before the user's handlers, so it runs after theirs (atexit is last in, first out):
         # the peers of a rank that failed wait for this before they end (see _obey).
-        atexit.register(self._note_exit)
+        atexit.register(self._at_exit)
         self._thread.start()
 
-    def _note_exit(self) -> None:
+    def _at_exit(self) -> None:
+        """Say this rank has exited, and stop the thread before the interpreter tears down: a daemon thread
+        killed inside a store request while the process (maybe the store's host) ends can abort it."""
         with contextlib.suppress(Exception):
             self.store.set(f"exited/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+        self._stop.set()
+        self._thread.join(timeout=ANSWER_WAIT_SECONDS + STORE_TIMEOUT_SECONDS)
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
-        while not self._stopped:
-            time.sleep(CHECK_INTERVAL_SECONDS)
+        while not self._stop.wait(CHECK_INTERVAL_SECONDS):
             try:
                 self._tick()
             except Exception as error:  # the store is gone (its host ended): the group's errors take over
@@ -289,7 +292,7 @@ class Watchdog:
     def announce_failure(self, message: str) -> bool:
         """A rank raised: the first to announce returns True (its traceback is the one to print), and its
         peers' watchdogs end them at their next check."""
-        self._stopped = True
+        self._stop.set()
         first = self.store.add("failed", 1) == 1
         if first:
             verdict = json.dumps({"kind": "failure", "reporter": self.rank, "message": message})
