@@ -23,9 +23,10 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -39,14 +40,22 @@ LONELY_TIMEOUT = 4  # --timeout of the nodes left alone: how long they may wait 
 
 @dataclass
 class Run:
-    """One `unison launch` process and what it left: exit code, output, seconds it took."""
+    """One `unison launch` process and what it left: exit code, output lines, seconds it took."""
 
     process: subprocess.Popen
     started: float
     out: Path
     returncode: int | None = None
-    output: str = ""
+    lines: list[tuple[float, str]] = field(default_factory=list)  # (seconds since start, line)
     seconds: float = 0.0
+
+    @property
+    def output(self) -> str:
+        return "".join(line for _, line in self.lines)
+
+    def said_at(self, text: str) -> float:
+        """Seconds from the start to the first line containing `text`."""
+        return next(at for at, line in self.lines if text in line)
 
     def report(self) -> dict:
         """What this node's one worker saw (multi_node_worker.py's rank file)."""
@@ -123,13 +132,15 @@ def _start(out: Path, launch_args: list[str], namespace: str | None = None, env:
 
 
 def _finish(run: Run, timeout: float) -> Run:
-    """Wait for the run (reading its output as it comes); kill it if it overstays `timeout` seconds."""
+    """Read the run's output as it comes, each line with its time; kill it if it overstays `timeout` s."""
+    killer = threading.Timer(timeout, run.process.kill)
+    killer.start()
     try:
-        run.output = run.process.communicate(timeout=timeout)[0]
-    except subprocess.TimeoutExpired:
-        run.process.kill()
-        run.output = run.process.communicate()[0] + f"\n(killed after {timeout} s)"
-    run.returncode = run.process.returncode
+        for line in run.process.stdout:
+            run.lines.append((time.monotonic() - run.started, line))
+        run.returncode = run.process.wait()
+    finally:
+        killer.cancel()
     run.seconds = time.monotonic() - run.started
     return run
 
@@ -251,7 +262,9 @@ def test_a_node_that_never_arrives_ends_the_other_with_a_rendezvous_error(runs, 
     assert f"within --timeout {LONELY_TIMEOUT} s of each other" in last, last
     assert torch_says in last, last
     assert "Traceback" not in run.output, _describe(run)
-    assert run.seconds < LONELY_TIMEOUT * 2 + 30, _describe(run)  # start-up on 2 busy cores, then the timeout
+    # from the launcher's last line before the rendezvous (its imports done: they take long on 2 shared cores)
+    waited = run.seconds - run.said_at("network interface")
+    assert waited < LONELY_TIMEOUT + 20, f"{waited:.1f} s at the rendezvous\n{_describe(run)}"
 
 
 def test_an_address_this_node_cannot_reach_is_named(namespaces):
