@@ -56,34 +56,42 @@ def own_socket_inodes() -> set[str]:
     return inodes
 
 
-out = Path(sys.argv[1])
-set_seed(0)
-model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Dropout(0.2), nn.Linear(HIDDEN, OUTPUTS))
-generator = torch.Generator().manual_seed(7)
-data = TensorDataset(
-    torch.randn(48, FEATURES, generator=generator), torch.randn(48, OUTPUTS, generator=generator)
-)
-accelerator = Accelerator()
-model, optimizer, loader = accelerator.prepare(
-    model, torch.optim.AdamW(model.parameters(), lr=1e-2), DataLoader(data, batch_size=4, shuffle=True)
-)
-for step, (x, y) in enumerate(loader):
-    if step == STEPS:
-        break
-    loss = nn.functional.mse_loss(model(x), y)
-    accelerator.backward(loss)
-    optimizer.step()
-    optimizer.zero_grad()
-
-seen = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
-seen |= {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
-store_port = int(os.environ["MASTER_PORT"])
-seen["gloo_listens"] = [s for s in listening(inodes=own_socket_inodes()) if not s.endswith(f":{store_port}")]
-seen["store_listens"] = listening(port=store_port)
-(out / f"rank{accelerator.process_index}.json").write_text(json.dumps(seen))
-accelerator.wait_for_everyone()  # rank 0 (hosting the store under c10d) stays until every rank has read it
-if accelerator.is_main_process:
-    torch.save(
-        {name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters()},
-        out / "params.pt",
+def main(out: Path) -> None:
+    """Train, report, save. In a function, so the prepared model is freed before exit (module-level state
+    was seen to abort the store's host at interpreter teardown: see mpi_env_worker.py)."""
+    set_seed(0)
+    model = nn.Sequential(nn.Linear(FEATURES, HIDDEN), nn.Tanh(), nn.Dropout(0.2), nn.Linear(HIDDEN, OUTPUTS))
+    generator = torch.Generator().manual_seed(7)
+    data = TensorDataset(
+        torch.randn(48, FEATURES, generator=generator), torch.randn(48, OUTPUTS, generator=generator)
     )
+    accelerator = Accelerator()
+    model, optimizer, loader = accelerator.prepare(
+        model, torch.optim.AdamW(model.parameters(), lr=1e-2), DataLoader(data, batch_size=4, shuffle=True)
+    )
+    for step, (x, y) in enumerate(loader):
+        if step == STEPS:
+            break
+        loss = nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+
+    seen = {name: os.environ.get(name) for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")}
+    seen |= {name: os.environ.get(name) for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")}
+    store_port = int(os.environ["MASTER_PORT"])
+    seen["gloo_listens"] = [
+        s for s in listening(inodes=own_socket_inodes()) if not s.endswith(f":{store_port}")
+    ]
+    seen["store_listens"] = listening(port=store_port)
+    (out / f"rank{accelerator.process_index}.json").write_text(json.dumps(seen))
+    accelerator.wait_for_everyone()  # rank 0, the store's host under c10d, ends after the others
+    if accelerator.is_main_process:
+        torch.save(
+            {name: p.detach() for name, p in accelerator.unwrap_model(model).named_parameters()},
+            out / "params.pt",
+        )
+
+
+if __name__ == "__main__":
+    main(Path(sys.argv[1]))
