@@ -18,8 +18,9 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from unison import rendezvous
+from unison import launcher, rendezvous
 from unison.commands.main import main
+from unison.launcher import LaunchOptions
 
 
 def _handler(endpoint: str):
@@ -87,3 +88,27 @@ def test_a_port_in_use_is_named_with_the_fix(caplog, monkeypatch):
         "To fix: another process already listens on that port: choose a free port for the rendezvous "
         "(--master-port, or the port of --rdzv-endpoint) on every node."
     ), line
+
+
+ENDPOINT = "10.0.0.1:29400"
+
+
+@pytest.mark.parametrize(
+    "options, wait",
+    [
+        (
+            LaunchOptions("x.py", nnodes="2", master_addr="10.0.0.1", node_rank=0, timeout=4.5),
+            "--timeout 5 s",
+        ),
+        (LaunchOptions("x.py", nnodes="2", rdzv_endpoint=ENDPOINT, timeout=4), "--timeout 4 s"),
+        (LaunchOptions("x.py", nnodes="1:2", rdzv_endpoint=ENDPOINT, timeout=4), "torch's default of 600 s"),
+        (
+            LaunchOptions("x.py", nnodes="2", rdzv_endpoint=ENDPOINT, timeout=4, rdzv_conf="join_timeout=90"),
+            "--rdzv-conf join_timeout=90 s",
+        ),
+        (LaunchOptions("x.py", nnodes="2", master_addr="10.0.0.1", node_rank=1), "torch's default of 600 s"),
+    ],
+)
+def test_the_message_names_the_wait_in_force(options, wait):
+    """The fix a rendezvous failure suggests names the wait torchrun_argv set up, not --timeout alone."""
+    assert launcher._rendezvous_wait(options) == wait

@@ -31,7 +31,7 @@ import signal
 import socket
 import sys
 import tempfile
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -469,8 +469,9 @@ def _c10d_conf(given: str, host: str, timeout: int | None, elastic: bool) -> str
         added["read_timeout"] = min(timeout, C10D_READ_TIMEOUT_SECONDS)
     address = _network(network.resolve, host, "--rdzv-endpoint")
     if not network.is_loopback(address) and network.interface_holding(address) is not None:
-        # torch's own test compares the host name's addresses; a loopback endpoint it recognises (and
-        # falls back to joining as a client when a second agent on the machine finds the port taken)
+        # torch guesses from the host name's addresses, which miss this one where the name resolves to
+        # loopback. A loopback endpoint stays torch's guess: it recognises it, and a second agent on the
+        # machine that finds the port taken joins as a client instead.
         added["is_host"] = 1
     return ",".join([*([given] if given else []), *(f"{k}={v}" for k, v in added.items() if k not in keys)])
 
@@ -480,7 +481,7 @@ def _join(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-def _network(function, host: str, flag: str) -> str:
+def _network(function: Callable[[str, str], str], host: str, flag: str) -> str:
     """network.resolve / network.address_towards with a NetworkError as the LaunchError it is."""
     try:
         return function(host, flag)
@@ -571,8 +572,19 @@ def _report_rendezvous_failure(error: BaseException, options: LaunchOptions) -> 
     host, port = rendezvous_endpoint(options)
     static_rank = options.node_rank if not options.rdzv_endpoint else None
     node = "this node" if static_rank is None else f"node {static_rank}"
-    logger.error("%s", rendezvous.failure_message(error, _join(host, port), node, options.timeout))
+    logger.error("%s", rendezvous.failure_message(error, _join(host, port), node, _rendezvous_wait(options)))
     return 1
+
+
+def _rendezvous_wait(options: LaunchOptions) -> str:
+    """How long the nodes wait for each other at the rendezvous, as torchrun_argv set it up."""
+    min_nodes, max_nodes = parse_nnodes(options.nnodes)
+    given = dict(item.strip().split("=", 1) for item in options.rdzv_conf.split(",") if "=" in item)
+    if options.rdzv_endpoint and "join_timeout" in given:
+        return f"--rdzv-conf join_timeout={given['join_timeout']} s"
+    if options.timeout is not None and not (options.rdzv_endpoint and min_nodes < max_nodes):
+        return f"--timeout {math.ceil(options.timeout)} s"
+    return "torch's default of 600 s"
 
 
 def _report_failure(error: ChildFailedError) -> int:

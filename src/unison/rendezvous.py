@@ -121,11 +121,11 @@ def _create_one_node_rendezvous(params: RendezvousParameters) -> RendezvousHandl
 rendezvous_handler_registry.register(ONE_NODE_BACKEND, _create_one_node_rendezvous)
 
 
-def failure_message(error: BaseException, endpoint: str, node: str, timeout: float | None) -> str:
+def failure_message(error: BaseException, endpoint: str, node: str, wait: str) -> str:
     """What to tell the user when the nodes could not meet at `endpoint` (HOST:PORT).
 
-    `node` names this node ("node 1", "this node"); `timeout` is the --timeout in force, if any.
-    torch's own words stay in the message (the cause of a connection error included), after ours.
+    `node` names this node ("node 1", "this node"); `wait` says how long the nodes wait for each other
+    ("--timeout 5 s"). torch's own words stay in the message (the cause of a connection error too).
     """
     causes = [error, *([error.__cause__] if error.__cause__ is not None else [])]
     said = " ".join(f"{type(cause).__name__}: {_words(cause)}" for cause in causes)
@@ -135,10 +135,9 @@ def failure_message(error: BaseException, endpoint: str, node: str, timeout: flo
             "(--master-port, or the port of --rdzv-endpoint) on every node."
         )
     else:
-        waited = f"--timeout {timeout:g} s" if timeout is not None else "torch's default of 600 s"
         advice = (
             "start `unison launch` on every node (the same --nnodes and rendezvous flags, each static "
-            f"node with its own --node-rank) within {waited} of each other, and check that every node "
+            f"node with its own --node-rank) within {wait} of each other, and check that every node "
             f"reaches {endpoint} (the address, the port, a firewall between the nodes); then run again."
         )
     return f"unison launch: {node} could not join the rendezvous at {endpoint}: {said} To fix: {advice}"
