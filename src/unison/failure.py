@@ -6,8 +6,9 @@ alive and its peers wait in a collective until the timeout; and when it does end
 traceback of its own ("Connection closed by peer"), burying the one that matters. So the first rank to
 fail announces it through the hang watchdog's store keys (`watchdog.py`): its traceback is printed, its
 peers end at their watchdog's next check (within a second) and a peer that raised a consequence of it
-prints one line, not a traceback. The failing rank then exits the normal way, so atexit handlers
-(trackers, log flushes, the checkpoint writer's clean-up) run; a daemon timer ends it after
+is silent (`unison launch` lists those ranks in one line). The failing rank then exits the normal way,
+so atexit handlers (trackers, log flushes, the checkpoint writer's clean-up) run, and ends once they
+have, without the interpreter's teardown (see Watchdog._at_exit); a daemon timer ends it after
 EXIT_GRACE_SECONDS should a thread or a handler hang.
 """
 
@@ -66,9 +67,12 @@ def end_fast_on_uncaught_error(rank: str, watchdog: Watchdog | None) -> None:
             record_for_the_elastic_agent(rank, f"stopped after another rank ended: {first_line}", text, True)
         sys.stdout.flush()
         sys.stderr.flush()
-        if not first and watchdog is not None:
-            watchdog.await_exit_of()  # the failed rank's exit handlers run before the agent stops it
-        # Returning lets the interpreter exit with status 1 the normal way, running atexit handlers.
+        if watchdog is not None:
+            watchdog.failed = True
+            if not first:
+                watchdog.await_exit_of()  # the failed rank's exit handlers run before the agent stops it
+        # Returning lets the interpreter exit with status 1 the normal way, running atexit handlers (the
+        # watchdog's, which runs after the user's, then ends the process without the teardown).
 
     sys.excepthook = hook
 

@@ -98,6 +98,7 @@ class Watchdog:
         self._checked = False  # this blocked position was already compared with the others
         self._answered = 0
         self._stop = threading.Event()  # set when this rank failed (it ends by its own exit path) or exits
+        self.failed = False  # an uncaught exception ends this rank: exit code 1 once the atexit handlers ran
         self.ending = False  # a report is being made or obeyed: this thread ends the process
         self._ending = threading.Lock()
         self._thread = threading.Thread(target=self._run, name="unison-watchdog", daemon=True)
@@ -139,6 +140,9 @@ class Watchdog:
             self.store.set(f"exited/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
         self._stop.set()
         self._thread.join(timeout=ANSWER_WAIT_SECONDS + STORE_TIMEOUT_SECONDS)
+        if self.failed:  # every handler registered after the process group's has run (tracker flushes...):
+            logging.shutdown()  # skip the interpreter's teardown, where torch's C++ objects freed late
+            _exit(1)  # (a DDP model's gloo group) can abort ("terminate called without an active exception")
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
