@@ -444,7 +444,10 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
         if local_addr is None:
             local_addr = _network(network.address_towards, host, "--rdzv-endpoint")
     elif max_nodes == 1:
-        argv += [f"--rdzv-backend={rendezvous.ONE_NODE_BACKEND}", f"--rdzv-endpoint={_join(host, port)}"]
+        argv += [
+            f"--rdzv-backend={rendezvous.ONE_NODE_BACKEND}",
+            f"--rdzv-endpoint={join_endpoint(host, port)}",
+        ]
     else:
         argv += [f"--master-addr={host}", f"--master-port={port}", f"--node-rank={options.node_rank}"]
         if timeout is not None:
@@ -476,7 +479,7 @@ def _c10d_conf(given: str, host: str, timeout: int | None, elastic: bool) -> str
     return ",".join([*([given] if given else []), *(f"{k}={v}" for k, v in added.items() if k not in keys)])
 
 
-def _join(host: str, port: int) -> str:
+def join_endpoint(host: str, port: int) -> str:
     """HOST:PORT as torch parses an endpoint ([::1]:PORT for an IPv6 address)."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -572,7 +575,9 @@ def _report_rendezvous_failure(error: BaseException, options: LaunchOptions) -> 
     host, port = rendezvous_endpoint(options)
     static_rank = options.node_rank if not options.rdzv_endpoint else None
     node = "this node" if static_rank is None else f"node {static_rank}"
-    logger.error("%s", rendezvous.failure_message(error, _join(host, port), node, _rendezvous_wait(options)))
+    logger.error(
+        "%s", rendezvous.failure_message(error, join_endpoint(host, port), node, _rendezvous_wait(options))
+    )
     return 1
 
 

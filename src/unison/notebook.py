@@ -29,9 +29,11 @@ from .launcher import (
     cause_rank,
     exported,
     free_loopback_port,
+    join_endpoint,
     resolve_nproc_per_node,
     worker_environment,
 )
+from .rendezvous import ONE_NODE_BACKEND
 from .state import AcceleratorState, PartialState, validate_mixed_precision
 
 _FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
@@ -99,12 +101,19 @@ def notebook_launcher(
         if nproc == 1 and num_nodes == 1:
             with exported(env):
                 return {0: function(*args)}
-        port = int(use_port) if use_port is not None else free_loopback_port()
-        endpoint = rdzv_endpoint or f"{master_addr}:{port}"
+        if num_nodes == 1 and rdzv_backend == "static" and not rdzv_endpoint:
+            # unison's one-node rendezvous binds the port itself (0: the OS's pick, no race with another
+            # job between choosing a free port and binding it), on master_addr only
+            port = int(use_port) if use_port is not None else 0
+            backend, endpoint, configs = ONE_NODE_BACKEND, join_endpoint(master_addr, port), {}
+        else:
+            port = int(use_port) if use_port is not None else free_loopback_port()  # c10d on one node
+            backend, endpoint = rdzv_backend, rdzv_endpoint or join_endpoint(master_addr, port)
+            configs = {"rank": node_rank} if rdzv_backend == "static" else dict(rdzv_conf or {})
         rendezvous = {
-            "rdzv_backend": rdzv_backend,
+            "rdzv_backend": backend,
             "rdzv_endpoint": endpoint,
-            "rdzv_configs": {"rank": node_rank} if rdzv_backend == "static" else dict(rdzv_conf or {}),
+            "rdzv_configs": configs,
             "run_id": rdzv_id,
         }
         with exported(env):
