@@ -395,3 +395,19 @@ def test_plain_processes_with_mpiruns_variables_form_one_group_and_train_as_one_
         assert record["steps"] == 3
         assert record["max_diff_from_one_process"] < 1e-6
     assert len({tuple(record["master"]) for record in records}) == 1
+
+
+@pytest.mark.parametrize("source", ["slurm", "mpi"])
+def test_srun_and_mpirun_across_nodes_choose_the_interface_towards_the_rendezvous(source, monkeypatch):
+    """As `unison launch` does for its workers: without it, gloo binds the address the host name
+    resolves to. One node needs nothing; a variable already exported wins."""
+    for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        monkeypatch.delenv(name, raising=False)
+    across = ProcessLayout(
+        source, rank=0, world_size=4, local_rank=0, local_world_size=2, master_addr="127.0.0.1"
+    )
+    assert state_module._socket_interface(across) == {"GLOO_SOCKET_IFNAME": "lo", "NCCL_SOCKET_IFNAME": "lo"}
+    one_node = ProcessLayout(source, rank=0, world_size=2, local_rank=0, local_world_size=2)
+    assert state_module._socket_interface(one_node) == {}
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth7")
+    assert state_module._socket_interface(across) == {"NCCL_SOCKET_IFNAME": "lo"}

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import launch_env
+from . import launch_env, network
 from .environment import ProcessLayout, detect_layout
 from .failure import end_fast_on_uncaught_error
 from .watchdog import Watchdog
@@ -111,6 +111,27 @@ def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(_attempt_prefix(), store)
 
 
+def _socket_interface(layout: ProcessLayout) -> dict[str, str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME for a group srun or mpirun started across nodes (under
+    `unison launch` the launcher sets them): the interface this node reaches the rendezvous host
+    through, as `unison launch` chooses (network.choose_interface); a variable already set wins. Left to
+    themselves, gloo binds the address the host name resolves to, often 127.0.1.1, and the nodes never
+    connect. Rank 0 says which interface its node chose."""
+    if layout.source not in ("slurm", "mpi") or layout.world_size == layout.local_world_size:
+        return {}
+    choice = network.choose_interface(layout.master_addr)
+    chosen = network.socket_interface_environment(choice, os.environ)
+    if chosen and layout.rank == 0:
+        logger.info(
+            "unison: gloo/NCCL sockets use network interface %s, which holds %s (%s); export "
+            "GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME to choose another.",
+            choice.name,
+            choice.address,
+            choice.reason,
+        )
+    return chosen
+
+
 def _attempt_prefix() -> str:
     """The store keys of this restart attempt (torch's agent counts the attempts)."""
     return f"unison/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
@@ -165,9 +186,10 @@ class PartialState:
 
     The first construction detects the environment (torchrun / `unison launch`, mpirun, SLURM srun, or
     plain python; docs/launchers.md), picks the device and backend, forms the process group once and
-    starts the hang watchdog (`timeout` is its stall timeout; docs/failures.md). Later constructions return the same state; asking for a different `cpu` or `timeout` then is an
-    error rather than a silent no-op. A process group the script formed itself is adopted as it is,
-    with its own timeout (`timeout` is then None, and asking for one is an error).
+    starts the hang watchdog (`timeout` is its stall timeout; docs/failures.md). Later constructions
+    return the same state; asking for a different `cpu` or `timeout` then is an error rather than a
+    silent no-op. A process group the script formed itself is adopted as it is, with its own timeout
+    (`timeout` is then None, and asking for one is an error).
     """
 
     _shared_state: dict[str, Any] = {}
@@ -223,6 +245,7 @@ class PartialState:
             kwargs["device_id"] = self.device
         if debug_mode():
             dist.set_debug_level(dist.DebugLevel.DETAIL)  # torch checks every collective across ranks
+        os.environ.update(_socket_interface(layout))
         first_step = (
             self.timeout if self._timeout_requested else timedelta(seconds=DEFAULT_FIRST_STEP_TIMEOUT_SECONDS)
         )
