@@ -28,6 +28,23 @@ clean pages), as when a new process resumes from an old checkpoint.
 
 After the rounds, a breakdown of unison's extra cost: the checksum pass, the fsyncs, the verify pass,
 torch.load with and without weights_only. A table is printed and everything is written as JSON to --out.
+
+    python benchmarks/checkpoint.py --scaling [--nproc 1 2 4] [--mb-per-rank 32 128 256] [--reps 3]
+
+How save_state / load_state scale: the script launches itself under `unison launch --cpu` with each
+number of processes, and saves and loads a ZeRO-3 model with AdamW: 8 square Linear layers, as wide
+as it takes for each process to hold about --mb-per-rank MB of parameters and moments (on one process
+the same bytes as plain files). The model always has the same 8 tensors (and 16 moments), so what
+changes from row to row is the bytes per process and the number of processes, not the number of
+tensors, whose per-tensor costs (DCP's planning, one record per tensor) are another matter. Every
+process checksums the files it wrote and verifies its share on load, so the times should follow the
+bytes per process, not the number of processes. Reported per (processes, MB per process), medians of
+--reps rounds after an untimed one: save, load from the page cache, load from the disk (pages evicted
+first), and the checksum pass alone both ways: every file verified by process 0 while the others wait
+(what unison did before), and each process verifying its own share at the same time (what it does
+now); each as the wall seconds of the slowest process and the CPU seconds of the busiest (its own
+work, which is its wall time where each process has cores of its own). Written to
+results/checkpoint_scaling.json unless --out says otherwise.
 """
 
 from __future__ import annotations
@@ -48,13 +65,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "examples" / "gpt"))
 from machine import describe_machine  # noqa: E402  (benchmarks/, the script's own folder)
 from model import GPT, GPTConfig  # noqa: E402
 
-from unison import Accelerator  # noqa: E402
-from unison.checkpoint import verify_checkpoint  # noqa: E402
+from unison import Accelerator, PartialState  # noqa: E402
+from unison.checkpoint import files_of_process, read_manifest, verify_checkpoint, verify_files  # noqa: E402
+from unison.ops import gather_object  # noqa: E402
 
 TARGET = 1.2  # unison time / plain time, at most: saves against plain+fsync, loads against plain loads
 VARIANTS = ("plain", "plain+fsync", "unison")
@@ -73,8 +92,16 @@ def parse_args() -> argparse.Namespace:
     arg("--n-head", type=int, default=8)
     arg("--block-size", type=int, default=256)
     arg("--dir", type=Path, default=None, help="where checkpoints are written (default: a temporary dir)")
-    arg("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "checkpoint.json")
-    return parser.parse_args()
+    arg("--out", type=Path, default=None, help="JSON output (default: results/checkpoint[_scaling].json)")
+    arg("--scaling", action="store_true", help="save/load time against bytes per process and processes")
+    arg("--nproc", type=int, nargs="+", default=[1, 2, 4], help="--scaling: numbers of processes")
+    arg("--mb-per-rank", type=int, nargs="+", default=[32, 128, 256], help="--scaling: MB per process")
+    arg("--scaling-worker", type=Path, help=argparse.SUPPRESS)  # internal: one launch, JSON written here
+    args = parser.parse_args()
+    if args.out is None:
+        name = "checkpoint_scaling.json" if args.scaling else "checkpoint.json"
+        args.out = Path(__file__).resolve().parent / "results" / name
+    return args
 
 
 # -- the plain calls ------------------------------------------------------------------------------
@@ -178,8 +205,7 @@ def disk(path: Path) -> dict:
     return info
 
 
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace) -> None:
     torch.manual_seed(0)
     config = GPTConfig(
         block_size=args.block_size, n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd
@@ -295,5 +321,160 @@ def report(args, samples, sizes, model_bytes, pieces, disk_info) -> None:
     print(f"wrote {args.out}")
 
 
+# -- scaling with bytes per process and the number of processes ----------------------------------------
+SCALING_KINDS = ("save", "load_cached", "load_disk", "verify_process_0_all", "verify_each_own")
+DEPTH = 8
+
+
+class LayerStack(nn.Module):
+    """DEPTH square Linear layers in a ModuleList: ZeRO-3 shards each layer's rows over the processes."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(width, width, bias=False) for _ in range(DEPTH))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def slowest(action: Callable[[], object]) -> tuple[float, float]:
+    """(wall seconds of `action` on the slowest process, CPU seconds of the busiest one: all its threads),
+    every process starting together after an untimed os.sync().
+
+    The CPU seconds are each process's own work: what its wall time would be with cores of its own, as
+    on a cluster, whereas processes that share this machine's cores also wait for each other's turn.
+    """
+    state = PartialState()
+    if state.is_main_process:
+        os.sync()
+    state.wait_for_everyone()
+    cpu = time.process_time()
+    wall = timed(action)
+    cpu = time.process_time() - cpu
+    everyone = gather_object([(wall, cpu)])
+    return max(w for w, _ in everyone), max(c for _, c in everyone)
+
+
+def scaling_worker(args: argparse.Namespace) -> None:
+    """One launch: for each size, train one step, then --reps rounds (after an untimed one) of save, load
+    twice, and the checksum pass both ways; process 0 writes the medians and samples as JSON."""
+    nproc, root = int(os.environ["WORLD_SIZE"]), args.dir  # a folder of the launching process
+    results = []
+    for mb in args.mb_per_rank:
+        # parameters + AdamW's two moments: 12 bytes per parameter, 1/nproc of them on each process
+        width = 64 * max(1, round((mb * MB * nproc / 12 / DEPTH) ** 0.5 / 64))
+        accelerator = Accelerator(cpu=True, parallelism="zero3" if nproc > 1 else None)
+        torch.manual_seed(0)
+        model = LayerStack(width)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model, optimizer = accelerator.prepare(model, optimizer)
+        accelerator.backward(model(torch.randn(2, width)).square().mean())
+        optimizer.step()  # the moments exist now
+        optimizer.zero_grad()
+        rank = accelerator.process_index
+        samples: dict[str, dict[str, list[float]]] = {kind: {"s": [], "cpu_s": []} for kind in SCALING_KINDS}
+        for round_index in range(args.reps + 1):
+            directory = root / f"mb{mb}_{round_index}"
+            save = functools.partial(accelerator.save_state, directory)
+            load = functools.partial(accelerator.load_state, directory)
+            sample = {"save": slowest(save), "load_cached": slowest(load)}
+            if accelerator.is_main_process:
+                evict(directory)
+            sample["load_disk"] = slowest(load)
+            manifest = read_manifest(directory)
+            own = files_of_process(manifest, rank, nproc)
+            everything = sorted(manifest["files"]) if rank == 0 else []  # the others wait, as they did
+            sample["verify_process_0_all"] = slowest(
+                functools.partial(verify_files, directory, manifest, everything)
+            )
+            sample["verify_each_own"] = slowest(functools.partial(verify_files, directory, manifest, own))
+            if round_index > 0:
+                for kind, (wall, cpu) in sample.items():
+                    samples[kind]["s"].append(wall)
+                    samples[kind]["cpu_s"].append(cpu)
+            accelerator.wait_for_everyone()
+            if accelerator.is_main_process:
+                shutil.rmtree(directory)
+        per_rank = [
+            sum(manifest["files"][name]["size"] for name in files_of_process(manifest, r, nproc))
+            for r in range(nproc)
+        ]
+        results.append(
+            {
+                "processes": nproc,
+                "mb_per_rank_asked": mb,
+                "width": width,
+                "parameters": DEPTH * width * width,
+                "checkpoint_bytes": sum(entry["size"] for entry in manifest["files"].values()),
+                "bytes_per_rank": per_rank,
+                "median": {
+                    kind: {unit: statistics.median(values) for unit, values in times.items()}
+                    for kind, times in samples.items()
+                },
+                "samples": samples,
+            }
+        )
+        accelerator.end_training()
+    if PartialState().is_main_process:
+        args.scaling_worker.write_text(json.dumps(results))
+
+
+def scaling(args: argparse.Namespace) -> None:
+    rows, load_average = [], {"start": os.getloadavg()}
+    if args.dir is not None:
+        Path(args.dir).mkdir(parents=True, exist_ok=True)
+    for nproc in args.nproc:
+        with tempfile.TemporaryDirectory(prefix="unison_ckpt_scaling_", dir=args.dir) as folder:
+            out = Path(folder) / "result.json"
+            command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(nproc), "--cpu"]
+            command += [__file__, "--scaling-worker", str(out), "--dir", folder, "--reps", str(args.reps)]
+            command += ["--mb-per-rank", *map(str, args.mb_per_rank)]
+            subprocess.run(command, check=True)
+            rows += json.loads(out.read_text())
+    load_average["end"] = os.getloadavg()
+    info = describe_machine()
+    disk_info = disk(args.dir or Path(tempfile.gettempdir()))
+    lines = [
+        f"save_state / load_state of ZeRO-3 + AdamW (1 process: plain files) on {info['cores']} cores "
+        f"({info['cpu']}), torch {info['torch']}, {info['date']}, load average "
+        f"{load_average['start'][0]:.1f} -> {load_average['end'][0]:.1f}",
+        f"disk: {disk_info.get('device', '?')} ({disk_info.get('filesystem', '?')}) under "
+        f"{disk_info['path']}; medians of {args.reps} rounds; each cell: wall seconds of the slowest "
+        "process (CPU seconds of the busiest)",
+        f"{'procs':>5} {'MB/proc':>8} {'total MB':>9} {'save':>14} {'load, cache':>14} {'load, disk':>14} "
+        f"{'verify: proc 0 all':>19} {'verify: each own':>17}",
+    ]
+    for row in rows:
+        cells = [
+            f"{row['median'][kind]['s']:.3f} ({row['median'][kind]['cpu_s']:.3f})" for kind in SCALING_KINDS
+        ]
+        per_rank, total = max(row["bytes_per_rank"]) / MB, row["checkpoint_bytes"] / MB
+        widths = (14, 14, 14, 19, 17)
+        lines.append(
+            f"{row['processes']:>5} {per_rank:>8.1f} {total:>9.1f} "
+            + " ".join(f"{cell:>{width}}" for cell, width in zip(cells, widths))
+        )
+    print("\n".join(lines))
+    result = {
+        "benchmark": "checkpoint_scaling",
+        "machine": info,
+        "disk": disk_info,
+        "load_average": load_average,
+        "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
+        "rows": rows,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
 if __name__ == "__main__":
-    main()
+    arguments = parse_args()
+    if arguments.scaling_worker is not None:
+        scaling_worker(arguments)
+    elif arguments.scaling:
+        scaling(arguments)
+    else:
+        main(arguments)
