@@ -141,13 +141,14 @@ def worker(args: argparse.Namespace) -> None:
         epoch += 1
     gathered = [None] * accelerator.num_processes
     torch.distributed.all_gather_object(gathered, samples)
-    if accelerator.is_main_process:
-        args.worker.write_text(json.dumps(gathered))
+    if accelerator.is_main_process:  # the machine as the workers see it (their torch threads)
+        args.worker.write_text(json.dumps({"machine": describe_machine(), "workers": gathered}))
 
 
 # -- the report -----------------------------------------------------------------------------------
-def run_launch(args: argparse.Namespace, folder: Path) -> tuple[list[list[dict]], list[dict]]:
-    """Launch the workers; return their samples and the launcher's (one a second, from outside)."""
+def run_launch(args: argparse.Namespace, folder: Path) -> tuple[dict, list[dict]]:
+    """Launch the workers; return what they wrote (the machine, their samples) and the launcher's samples
+    (one a second, from outside)."""
     out = folder / "workers.json"
     command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(PROCESSES), "--cpu"]
     command += [__file__, "--worker", str(out), "--project", str(folder / "project")]
@@ -186,8 +187,9 @@ def report(args: argparse.Namespace) -> None:
     warmup = args.warmup if args.warmup is not None else 3 * args.save_every
     with tempfile.TemporaryDirectory(prefix="unison-soak-") as folder:
         started = time.time()
-        workers, launcher_samples = run_launch(args, Path(folder))
+        launched, launcher_samples = run_launch(args, Path(folder))
         elapsed = time.time() - started
+    workers = launched["workers"]
     rows = {
         f"rank {rank}": summarize(samples, lambda s: s["step"] <= warmup)
         for rank, samples in enumerate(workers)
@@ -227,7 +229,7 @@ def report(args: argparse.Namespace) -> None:
     settings = {key: getattr(args, key) for key in ("steps", "save_every", "total_limit", "sample_every")}
     settings.update(warmup=warmup, processes=PROCESSES, elapsed_s=elapsed)
     result = {
-        "machine": describe_machine(),
+        "machine": launched["machine"],
         "settings": settings,
         "summary": rows,
         "disk": disk,

@@ -43,7 +43,7 @@ def test_two_hundred_steps_with_checkpoints_leak_nothing(tmp_path):
     worker_args = ["--worker", samples_file, "--project", project, *map(str, settings)]
     launch_ok(SOAK, 2, *worker_args, env={"MALLOC_MMAP_THRESHOLD_": str(64 * 1024)}, timeout=120)
 
-    for rank, samples in enumerate(json.loads(samples_file.read_text())):
+    for rank, samples in enumerate(json.loads(samples_file.read_text())["workers"]):
         assert samples[-1]["step"] == STEPS
         baseline = next(sample for sample in samples if sample["step"] == WARMUP)
         after = [sample for sample in samples if sample["step"] > WARMUP]
