@@ -25,6 +25,7 @@ a save or load stays near the cost of a plain torch.save/torch.load.
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import logging
 import mmap
@@ -52,6 +53,9 @@ _CHECKPOINT_NAME = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
 CHUNK_BYTES = 8 * 2**20
 """Files are checksummed in chunks of this size (one CRC-32 each), so every core can work on one file."""
 _MAX_THREADS = 32
+NEARLY_FULL_BYTES = 2**20
+"""A failed save on a file system with less free space than this is said to have run out of space (a
+full disk leaves the failed file's partial bytes behind: the space left is then about nothing)."""
 _PER_PROCESS_FILE = re.compile(r"rng_state_(\d+)\.pt|__(\d+)_\d+\.distcp")
 """Files written by one process carry its rank: its RNG states (training_state) and its shards, which
 torch's distributed checkpoint names `__<rank>_<n>.distcp` (sharded)."""
@@ -79,6 +83,27 @@ def model_keys_error(missing: list[str], unexpected: list[str]) -> CheckpointErr
         f"{describe_keys(missing, unexpected)}: it was saved from another model. Load it into the model of "
         "the run that saved it, or pass load_state(..., strict=False) to load the weights both have."
     )
+
+
+def check_shapes(name: str, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
+    """Raise CheckpointError if a tensor of the state dict `saved` (the file `name`) has another shape than
+    the live one of its key. torch's load_state_dict copies the tensors that fit before it raises for
+    the others, leaving a model half loaded; checked first, nothing is applied."""
+    differ = [
+        f"{key} is {list(value.shape)} there, {list(live[key].shape)} here"
+        for key, value in saved.items()
+        if key in live
+        and hasattr(value, "shape")
+        and hasattr(live[key], "shape")
+        and tuple(value.shape) != tuple(live[key].shape)
+    ]
+    if differ:
+        shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
+        raise CheckpointError(
+            f"{name} holds tensors of other shapes than the model's ({shown}): it was saved from another "
+            "model (another size or configuration). Load it into the model of the run that saved it; "
+            "strict=False does not help, a tensor cannot be loaded into another shape."
+        )
 
 
 @dataclass
@@ -260,16 +285,23 @@ def write_checkpoint(
             "JSON types (dict, list, str, int, float, bool, None)."
         ) from error
     _refuse_different_directories(final_dir, state)
+    setup_error = None
     if state.is_main_process:
-        final_dir.parent.mkdir(parents=True, exist_ok=True)
-        _remove_if_present(tmp_dir)
-        tmp_dir.mkdir()
-    state.wait_for_everyone()
+        try:
+            final_dir.parent.mkdir(parents=True, exist_ok=True)
+            _remove_if_present(tmp_dir)
+            tmp_dir.mkdir()
+        except OSError as error:  # a parent that is a file, no permission: every process must hear of it
+            setup_error = CheckpointError(
+                f"cannot create the checkpoint {final_dir}: {error}. Save into a directory this process "
+                "can create and write (under existing directories, not under a file)."
+            )
+    raise_if_any_process_failed(setup_error, f"creating {final_dir}")  # also the barrier before writing
     block_error = finish_error = None
     try:
         yield tmp_dir
     except Exception as error:
-        block_error = error
+        block_error = _said_if_out_of_space(error, final_dir)
     except BaseException:  # Ctrl-C, SystemExit: the run is ending, no agreement to wait for
         if state.is_main_process:
             shutil.rmtree(tmp_dir, ignore_errors=True)
@@ -280,7 +312,7 @@ def write_checkpoint(
         try:
             entries = _checksum_own_files(tmp_dir, state)
         except Exception as error:
-            checksum_error = error
+            checksum_error = _said_if_out_of_space(error, final_dir)
         everyone = raise_if_any_process_failed(checksum_error, f"checksumming {final_dir}", entries)
         if state.is_main_process:
             try:
@@ -288,7 +320,7 @@ def write_checkpoint(
                 manifest = _write_manifest(tmp_dir, metadata, files)
                 _move_into_place(tmp_dir, final_dir)
             except Exception as error:
-                finish_error = error
+                finish_error = _said_if_out_of_space(error, final_dir)
             else:
                 total = sum(entry["size"] for entry in manifest["files"].values())
                 logger.info(
@@ -300,6 +332,29 @@ def write_checkpoint(
         if state.is_main_process:
             shutil.rmtree(tmp_dir, ignore_errors=True)
         raise
+
+
+def _said_if_out_of_space(error: Exception, final_dir: Path) -> Exception:
+    """`error` of a write of the checkpoint `final_dir`, as a CheckpointError that says so where the disk
+    (or the quota) is full: torch.save reports a full disk as `[enforce fail at inline_container.cc:...]
+    unexpected pos 576 vs 534`, without the OS's reason. Any other error is returned as it is."""
+    causes, cause = [], error
+    while cause is not None and len(causes) < 10:
+        causes.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    out_of_space = any(isinstance(c, OSError) and c.errno in (errno.ENOSPC, errno.EDQUOT) for c in causes)
+    try:
+        free = shutil.disk_usage(final_dir.parent).free
+    except OSError:
+        return error
+    if not out_of_space and free >= NEARLY_FULL_BYTES:
+        return error
+    return CheckpointError(
+        f"the checkpoint {final_dir} could not be written: the disk holding it is full ({free:,} bytes "
+        f"free; {type(error).__name__}: {error}). Free space there or save elsewhere "
+        "(ProjectConfiguration(total_limit=N) keeps only the newest N checkpoints). Nothing was renamed "
+        "into place: the previous checkpoints are intact."
+    )
 
 
 def _checksum_own_files(directory: Path, state: PartialState) -> dict[str, dict[str, Any]]:

@@ -32,6 +32,7 @@ from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
 from .storage import (
     CheckpointError,
+    check_shapes,
     files_of_process,
     load_object,
     model_keys_error,
@@ -117,7 +118,27 @@ def _counters(training: TrainingParts) -> dict[str, Any]:
         "gradient_accumulation_steps": training.gradient_accumulation_steps,
         "world_size": PartialState().num_processes,
         "optimizer_steps": [optimizer.num_steps_taken for optimizer in training.optimizers],
+        "optimizer_classes": _optimizer_classes(training),
     }
+
+
+def _optimizer_classes(training: TrainingParts) -> list[str]:
+    """The class of each optimizer the user built (ZeRO-1's per-process optimizer is of that class)."""
+    return [type(_sharded()._local_optimizer(optimizer)).__qualname__ for optimizer in training.optimizers]
+
+
+def _check_optimizer_classes(counters: dict[str, Any], training: TrainingParts, directory: Path) -> None:
+    """Refuse, before anything is applied, optimizer state saved from another kind of optimizer: torch
+    loads an SGD's state into an AdamW without a word, and the first step fails with KeyError: 'betas'."""
+    saved = counters.get("optimizer_classes", [])  # absent from checkpoints written before it was saved
+    for index, (was, now) in enumerate(zip(saved, _optimizer_classes(training))):
+        if was != now:
+            raise CheckpointError(
+                f"{directory} holds the state of optimizer {index} saved from {was}, but this run's "
+                f"optimizer {index} is {now}: {was}'s state and hyper-parameters do not fit it. Prepare "
+                f"{was} as the saved run did; to switch to {now}, prepare the model alone, load_state, "
+                "then prepare the new optimizer."
+            )
 
 
 def _micro_step(counters: dict[str, Any], training: TrainingParts, directory: Path) -> int:
@@ -313,12 +334,13 @@ def _fit_error(
                     _sharded().check_full_optimizer_state(live, loaded[name])
                 elif strict:
                     _sharded().check_full_model_state(model, loaded[name], model_keys[name])
-            elif strict and is_model:  # a replicated model: the same keys on every process
-                keys = parts[name].state_dict().keys()
-                missing = [key for key in keys if key not in loaded[name]]
-                unexpected = [key for key in loaded[name] if key not in keys]
-                if missing or unexpected:
+            elif is_model:  # a replicated model: the same keys on every process
+                live = parts[name].state_dict()
+                missing = [key for key in live if key not in loaded[name]]
+                unexpected = [key for key in loaded[name] if key not in live]
+                if strict and (missing or unexpected):
                     raise model_keys_error(missing, unexpected)
+                check_shapes(name, live, loaded[name])  # torch would copy the others, then raise
             elif hasattr(parts[name], "check_state_dict"):  # a prepared data loader: can it go on from here?
                 parts[name].check_state_dict(loaded[name])
     except CheckpointError as error:
@@ -407,6 +429,7 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
     raise_if_any_process_failed(failure, f"loading {directory}")
     counters = loaded[COUNTERS_FILE]
     micro_step = _micro_step(counters, training, directory)  # refused before anything is applied
+    _check_optimizer_classes(counters, training, directory)
     for name, part in parts.items():
         _apply(name, part, model_parts, sharded_parts, staged, loaded, strict)
     for optimizer, steps in zip(training.optimizers, counters["optimizer_steps"]):
