@@ -49,6 +49,7 @@ from .parallel.apply import (
     attach_loss_parallel,
     data_parallel_engine,
     parallelize,
+    refuse_stale_optimizers,
     replaced_parameters,
     switch_optimizer_parameters,
 )
@@ -419,6 +420,8 @@ class Accelerator(
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)
+        stale = [p for p in before.values() if id(p) in replaced]
+        refuse_stale_optimizers(stale, self.parallelism.describe())
         # hooks go where forward runs: the stage modules of a pipeline, else the user's module (inside
         # DDP's wrapper, so that unwrap_model gives it with autocast, as Accelerate's keep_fp32_wrapper)
         user_module = unwrap(prepared)

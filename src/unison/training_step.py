@@ -22,7 +22,7 @@ import torch
 from .item_count import scale_gradients
 from .kwargs_handlers import AutocastKwargs
 from .parallel.clipping import clip_grad_norm
-from .parallel.ddp import skip_gradient_sync, trigger_sync_in_backward
+from .parallel.ddp import check_every_parameter_got_a_gradient, skip_gradient_sync, trigger_sync_in_backward
 from .parallel.engines import is_dtensor
 from .parallel.mesh import data_parallel_mesh
 from .parallel.pipeline import PipelineModel
@@ -117,7 +117,14 @@ class TrainingStepMethods:
             loss = self.precision.scaler.scale(loss)
         with self._loss_parallel():
             loss.backward(**kwargs)
+        self._check_unused_parameters()
         self._end_backward(counted)
+
+    def _check_unused_parameters(self) -> None:
+        """Parameters a DDP model's loss never reached, said at its first reduced backward with the fix
+        rather than by torch's error at the next forward (see check_every_parameter_got_a_gradient)."""
+        for model in self._models:
+            check_every_parameter_got_a_gradient(model)
 
     def _end_backward(self, counted: Any) -> None:
         """Count this micro-step's items; on the window's last, normalise the summed gradients by them.

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from .config import ParallelismConfig
@@ -186,6 +187,41 @@ def switch_optimizer_parameters(
     for group in optimizer.param_groups:
         swapped = (mapping.get(id(p), p) for p in group["params"])
         group["params"] = [p for p in swapped if p is not None]
+
+
+_REPLACED_BY = "_unison_replaced_by"
+"""Set on a parameter prepare() replaced: the layout that replaced it, for `refuse_stale_optimizers`."""
+_stale_step_guard = None  # the handle of the one step pre-hook all optimizers share, once registered
+
+
+def refuse_stale_optimizers(stale: list[nn.Parameter], layout: str) -> None:
+    """Make every later step of an optimizer over one of the `stale` parameters (those the `layout`
+    replaced by shards, or moved to another pipeline rank) raise, with the fix, on every process.
+
+    An optimizer built from the model before prepare() and passed to prepare() is switched to the new
+    parameters; one that is not keeps the old ones, which no forward uses and no backward gives a
+    gradient, so its steps change nothing and the model silently never trains. One step pre-hook common
+    to all optimizers (torch's register_optimizer_step_pre_hook) looks at each parameter once per step
+    (an attribute read, about 50 ns), and only in a process where a layout replaced parameters.
+    """
+    global _stale_step_guard
+    for parameter in stale:
+        setattr(parameter, _REPLACED_BY, layout)
+    if stale and _stale_step_guard is None:
+        _stale_step_guard = register_optimizer_step_pre_hook(_refuse_stale_step)
+
+
+def _refuse_stale_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    for parameter in (p for group in optimizer.param_groups for p in group["params"]):
+        layout = getattr(parameter, _REPLACED_BY, None)
+        if layout is not None:
+            raise RuntimeError(
+                f"this {type(optimizer).__name__} steps parameters that prepare() replaced (the layout "
+                f"{layout} shards them or puts them on another pipeline rank), so its steps would change "
+                "nothing the model uses: it was built from the model before prepare() and never prepared. "
+                "Prepare it with the model, accelerator.prepare(model, optimizer), or build it after "
+                "prepare() from the prepared model's parameters."
+            )
 
 
 def attach_loss_parallel(model: nn.Module) -> None:

@@ -72,6 +72,42 @@ def skip_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
         yield
 
 
+_JUDGED = "_unison_every_parameter_reduced"
+"""Set on a DDP model once a reduced backward gave every parameter a gradient: it is checked no more."""
+
+
+def check_every_parameter_got_a_gradient(model: torch.nn.Module) -> None:
+    """After a backward: raise RuntimeError naming the parameters of a DDP `model` that got no gradient
+    while others did, in a backward DDP reduces (a forward outside no_sync, no find_unused_parameters).
+
+    DDP finishes a backward's reduction when every parameter has reported its gradient. A parameter the
+    loss does not reach never reports, and torch raises only at the next forward ("Expected to have
+    finished reduction in the prior iteration"), advising an argument of DDP's constructor, which a
+    prepared model does not take. A model with no gradient at all was not reached by this loss (a
+    script's second model) and is judged at a later backward; one that passed once is not checked again,
+    so the check costs nothing per step.
+    """
+    if not isinstance(model, DistributedDataParallel) or getattr(model, _JUDGED, False):
+        return
+    if model.find_unused_parameters or model.static_graph or not model.require_forward_param_sync:
+        return  # DDP copes with unused parameters, or this backward (forward under no_sync) reduces nothing
+    trained = [(name, p.grad is None) for name, p in model.module.named_parameters() if p.requires_grad]
+    unused = [name for name, no_gradient in trained if no_gradient]
+    if len(unused) == len(trained):
+        return
+    if unused:
+        shown = ", ".join(unused[:5]) + (f" and {len(unused) - 5} more" if len(unused) > 5 else "")
+        raise RuntimeError(
+            f"{shown} of the {type(model.module).__name__} got no gradient in this backward (not used by "
+            "forward, or not part of the loss), and DDP waits for every parameter's gradient: the next "
+            "forward would fail with torch's 'Expected to have finished reduction in the prior iteration'. "
+            "Freeze them before prepare() (requires_grad_(False)) or make them part of the loss; if they are "
+            "unused only on some steps, pass Accelerator(kwargs_handlers=[DistributedDataParallelKwargs("
+            "find_unused_parameters=True)]) (DDP then searches the graph after every forward)."
+        )
+    setattr(model, _JUDGED, True)
+
+
 def wrapper_prefix(model: torch.nn.Module) -> str:
     """What the wrappers around the user's module add to its state-dict keys ("module." for DDP)."""
     prefix = ""
