@@ -1,11 +1,11 @@
 """Does a long run leak? Memory, file descriptors, threads and disk over 2,000 steps with checkpoints.
 
-    python benchmarks/soak.py                       # 2 processes x 2,000 steps, about 2 minutes on 2 cores
+    python benchmarks/soak.py                       # 2 processes x 2,000 steps, about 40 s on 2 cores
     python benchmarks/soak.py --steps 200 --save-every 20
 
 A leak that costs a few kB or one file descriptor per step or per checkpoint is invisible in a test of
 ten steps and ends a week-long job (the OOM killer, EMFILE, a full disk). The script launches itself
-under `unison launch --nproc-per-node 2 --cpu` and trains a tiny MLP the way the checkpointing guide
+under `unison launch --nproc-per-node 2 --cpu` and trains a small MLP the way the checkpointing guide
 writes a loop: a shuffled DataLoader, AdamW, the loss averaged over processes every step
 (`accelerator.reduce`), an evaluation with `gather_for_metrics` and `save_state()` every --save-every
 steps into a project with ProjectConfiguration(automatic_checkpoint_naming=True, total_limit=2).
