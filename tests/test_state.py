@@ -9,7 +9,7 @@ import torch
 from launching import launch_ok
 
 from unison import Accelerator, InitProcessGroupKwargs, launch_env
-from unison.state import AcceleratorState, DistributedType, PartialState, split_for_process
+from unison.state import BACKSTOP_SECONDS, AcceleratorState, DistributedType, PartialState, split_for_process
 
 WORKER = "tests/workers/state_worker.py"
 
@@ -66,10 +66,12 @@ def test_real_gloo_group_and_identity(launched):
 
 
 def test_timeout_reaches_the_process_group(launched):
+    """The given timeout is the watchdog's stall timeout; the group's own is longer by the backstop, so
+    the watchdog reports a stall before torch's timeout ends the collective (docs/failures.md)."""
     _, records, _, expected = launched
     for rec in records:
         assert rec["state_timeout_s"] == expected
-        assert rec["group_timeout_s"] == expected
+        assert rec["group_timeout_s"] == expected + BACKSTOP_SECONDS
 
 
 def test_barrier_and_ordering(launched):
