@@ -13,8 +13,8 @@ What it adds to a bare torchrun:
 - several nodes: the workers' sockets use the interface that reaches the rendezvous address
   (`network`), and a node whose peers never arrive ends with one line naming the endpoint;
 - every line a worker prints is prefixed with its global rank ("[rank1]: ...");
-- a failed run returns a non-zero exit code with one short summary instead of torch's report, the
-  failing rank's own traceback having been printed (prefixed) by the worker itself;
+- a failed run returns a non-zero exit code with one short summary instead of torch's report
+  (`launch_report.py`), the failing rank's own traceback having been printed (prefixed) by the worker;
 - restarts (--max-restarts) re-form the process group: `state.py` namespaces the group's keys by
   attempt on the static rendezvous store, and for c10d rendezvous we export
   TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 so each attempt gets a fresh store (pytorch#135712).
@@ -27,7 +27,6 @@ import importlib.util
 import logging
 import math
 import os
-import signal
 import socket
 import sys
 import tempfile
@@ -37,10 +36,11 @@ from dataclasses import dataclass
 import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from . import launch_env, network, rendezvous
+from .launch_report import quiet_agent_shutdown, report_failure
 from .parallel.config import ParallelismConfig, is_auto
 from .plugins import layout_of, read_plugin
 from .state import validate_mixed_precision
@@ -525,49 +525,18 @@ def launch(options: LaunchOptions) -> int:
         )
         if options.debug:
             env[launch_env.DEBUG] = "1"
-        with exported(env), _quiet_agent_shutdown():
+        with exported(env), quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:
                 torchrun.run(torchrun.get_args_parser().parse_args(argv))
             except ChildFailedError as error:
-                return _report_failure(error)
+                return report_failure(error)
             except rendezvous.FAILURES as error:
                 return _report_rendezvous_failure(error, options)
             except SignalException as error:
                 logger.error("unison launch: stopped by %s; the workers were terminated.", error.sigval.name)
                 return 128 + int(error.sigval)
     return 0
-
-
-def _unison_record(failure: ProcessFailure) -> dict:
-    """What unison's failure hook wrote in the worker's error file (empty when it wrote nothing)."""
-    message = failure.error_file_data.get("message")
-    return message.get("extraInfo", {}) if isinstance(message, dict) else {}
-
-
-def cause_rank(failures: Mapping[int, ProcessFailure]) -> int:
-    """The rank whose failure caused the others.
-
-    When one worker fails, torch's agent SIGTERMs the rest, and those show up as failures too, with
-    torch's whole-second timestamps that often sort before the real one. So a rank whose own failure
-    unison recorded (it raised, or its watchdog reported a hang; with the exact time) comes first, then
-    a rank that ended by a signal of its own (SIGKILL by the OOM killer, SIGSEGV), then the ranks that
-    ended as a consequence (a peer went away, the watchdog ended them), and SIGTERM (the agent's own)
-    last; within a kind, the earliest failure wins.
-    """
-
-    def kind(failure: ProcessFailure) -> tuple[int, float]:
-        record = _unison_record(failure)
-        at = float(record.get("unison_failed_at", failure.timestamp))
-        if record and not record.get("unison_consequence"):
-            return 0, at
-        if failure.exitcode > 0 and not record:
-            return 1, at
-        if failure.exitcode < 0 and failure.exitcode != -signal.SIGTERM:
-            return 2, at
-        return (3 if record else 4), at
-
-    return min(failures, key=lambda rank: kind(failures[rank]))
 
 
 def _report_rendezvous_failure(error: BaseException, options: LaunchOptions) -> int:
@@ -590,63 +559,3 @@ def _rendezvous_wait(options: LaunchOptions) -> str:
     if options.timeout is not None and not (options.rdzv_endpoint and min_nodes < max_nodes):
         return f"--timeout {math.ceil(options.timeout)} s"
     return "torch's default of 600 s"
-
-
-def _report_failure(error: ChildFailedError) -> int:
-    """Name the rank that failed first (the cause; its peers usually fail because it went away).
-
-    The exit code is left out when unison recorded the failure itself: the agent may have SIGTERMed
-    the rank while it ran its exit handlers, and "-15" would then mislead.
-    """
-    rank = cause_rank(error.failures)
-    failure = error.failures[rank]
-    others = sorted(r for r in error.failures if r != rank)
-    cause = failure.message if isinstance(failure.message, str) else failure.message.get("message", "")
-    cause = "" if cause.startswith("To enable traceback") else cause.rstrip(".")
-    how = "" if _unison_record(failure) else f", with exit code {failure.exitcode}"
-    logger.error(
-        "unison launch: rank %d (local rank %d, pid %d) failed first%s%s. Its output above is prefixed "
-        "[rank%d]:.%s",
-        rank,
-        failure.local_rank,
-        failure.pid,
-        how,
-        f": {cause}" if cause else "",
-        rank,
-        f" Ranks {others} were stopped or failed after it." if others else "",
-    )
-    return failure.exitcode if 0 < failure.exitcode < 128 else 1
-
-
-class _AgentShutdownChatter(logging.Filter):
-    """Drops the lines of torch's elastic agent that `unison launch` says better itself.
-
-    Which workers it signalled on the way down (two lines per Ctrl-C), and its own guess at the first
-    failure, made from whole-second timestamps (it often names a rank the agent itself terminated).
-    The templates are torch's; tests/test_launch.py fails if they change and the lines come back.
-    """
-
-    TEMPLATES = frozenset(
-        {
-            "Sending process %s closing signal %s",
-            "Received %s death signal, shutting down workers",
-            "failed (exitcode: %s) local_rank: %s (pid: %s) of binary: %s",
-        }
-    )
-    LOGGERS = ("torch.distributed.elastic.multiprocessing.api", "torch.distributed.elastic.agent.server.api")
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.msg not in self.TEMPLATES
-
-
-@contextlib.contextmanager
-def _quiet_agent_shutdown() -> Iterator[None]:
-    chatter = _AgentShutdownChatter()
-    loggers = [logging.getLogger(name) for name in _AgentShutdownChatter.LOGGERS]
-    for agent_logger in loggers:
-        agent_logger.addFilter(chatter)
-    try:
-        yield
-    finally:
-        for agent_logger in loggers:
-            agent_logger.removeFilter(chatter)

@@ -24,9 +24,9 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .launch_report import cause_rank
 from .launcher import (
     RANK_PREFIX_TEMPLATE,
-    cause_rank,
     exported,
     free_loopback_port,
     join_endpoint,

@@ -17,10 +17,10 @@ holds it to 1.2x of a bare torch.save), and those files load into sharded layout
 The guarantees of the checkpoint directory hold unchanged: DCP writes into the temporary directory of
 `storage.write_checkpoint`, whose manifest lists and checksums every file (each process its own
 `__<rank>_0.distcp`). Loading reads into fresh tensors shaped like the live shards while every process
-verifies its share of the checksums, and applies them only after every check has passed. Nothing in a checkpoint is unpickled with code execution: DCP's own
-reader unpickles `.metadata` and non-tensor values with plain pickle, so reading goes through
-`SafeFileSystemReader` (an unpickler that builds DCP's metadata types only) and `SafeLoadPlanner`
-(torch.load(weights_only=True) for non-tensor values).
+verifies its share of the checksums, and applies them only after every check has passed. Nothing in a
+checkpoint is unpickled with code execution: DCP's own reader unpickles `.metadata` and non-tensor values
+with plain pickle, so reading goes through `SafeFileSystemReader` (an unpickler that builds DCP's metadata
+types only) and `SafeLoadPlanner` (torch.load(weights_only=True) for non-tensor values).
 """
 
 from __future__ import annotations
