@@ -36,6 +36,14 @@ def test_the_same_sequence_number_with_another_call_is_a_divergence_at_once(othe
     assert diverged({0: (in_collective(), 0.0), 1: (other, 0.0)}) == [(0, 1)]
 
 
+def test_collectives_whose_shapes_may_differ_by_rank_are_compared_by_operation_only():
+    """all_to_all_single with uneven splits (mixture-of-experts routing), scatter's list on its source."""
+    uneven = in_collective(op="all_to_all_single", shapes=("output=float32[3, 8]", "input=float32[5, 8]"))
+    other = in_collective(op="all_to_all_single", shapes=("output=float32[5, 8]", "input=float32[3, 8]"))
+    assert diverged({0: (uneven, LONG), 1: (other, LONG)}) == []
+    assert diverged({0: (uneven, LONG), 1: (in_collective(), LONG)}) == [(0, 1)]  # another operation
+
+
 def test_other_sequence_numbers_are_a_divergence_only_once_both_ranks_waited_long():
     behind = in_collective(seq=2)
     assert diverged({0: (in_collective(), LONG), 1: (behind, LONG)}) == [(0, 1)]

@@ -48,6 +48,25 @@ _TENSOR_ARGUMENTS = (
 """Argument names of torch.distributed's collectives whose values describe what is being exchanged."""
 
 
+SAME_SHAPES_ON_EVERY_RANK = frozenset(
+    {
+        "all_reduce",
+        "broadcast",
+        "reduce",
+        "all_gather",
+        "all_gather_into_tensor",
+        "all_gather_single",
+        "reduce_scatter",
+        "reduce_scatter_tensor",
+        "reduce_scatter_single",
+        "all_reduce_coalesced",
+        "all_gather_coalesced",
+    }
+)
+"""Collectives whose tensors must have the same shapes on every rank. The others (scatter and gather,
+whose lists exist on one rank only; all_to_all with uneven splits; the object collectives) may differ."""
+
+
 @dataclass(frozen=True)
 class Position:
     """One rank's whereabouts; JSON-friendly (the watchdog passes it between ranks through the store).
@@ -71,13 +90,12 @@ class Position:
         return self.kind in ("collective", "distributed")
 
     def same_call(self, other: Position) -> bool:
-        """Whether two ranks are in the very same collective call (what a healthy group does)."""
-        return (self.op, self.shapes, self.group_ranks, self.seq) == (
-            other.op,
-            other.shapes,
-            other.group_ranks,
-            other.seq,
-        )
+        """Whether two ranks can be in the very same collective call (what a healthy group does): the
+        same operation, group and sequence number, and the same shapes where the operation needs them
+        equal on every rank (scatter, gather, all-to-all and the object collectives legitimately differ)."""
+        if (self.op, self.group_ranks, self.seq) != (other.op, other.group_ranks, other.seq):
+            return False
+        return self.op not in SAME_SHAPES_ON_EVERY_RANK or self.shapes == other.shapes
 
     def describe(self) -> str:
         if self.kind == "collective":
