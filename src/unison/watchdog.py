@@ -73,10 +73,6 @@ def first_step_done() -> None:
     _first_step_done = True
 
 
-def is_first_step_done() -> bool:
-    return _first_step_done
-
-
 class Watchdog:
     """One rank's watchdog thread and its side of the store protocol (see the module docstring)."""
 
