@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+import weakref
 from typing import Any
 
 import torch
@@ -201,8 +202,9 @@ def refuse_stale_optimizers(stale: list[nn.Parameter], layout: str) -> None:
     An optimizer built from the model before prepare() and passed to prepare() is switched to the new
     parameters; one that is not keeps the old ones, which no forward uses and no backward gives a
     gradient, so its steps change nothing and the model silently never trains. One step pre-hook common
-    to all optimizers (torch's register_optimizer_step_pre_hook) looks at each parameter once per step
-    (an attribute read, about 50 ns), and only in a process where a layout replaced parameters.
+    to all optimizers (torch's register_optimizer_step_pre_hook) looks at each parameter of an optimizer at
+    its first step only (an attribute read, about 50 ns each), and only in a process where a layout
+    replaced parameters.
     """
     global _stale_step_guard
     for parameter in stale:
@@ -211,7 +213,14 @@ def refuse_stale_optimizers(stale: list[nn.Parameter], layout: str) -> None:
         _stale_step_guard = register_optimizer_step_pre_hook(_refuse_stale_step)
 
 
+_checked_optimizers: weakref.WeakSet = weakref.WeakSet()
+"""Optimizers whose parameters passed at a step: their later steps are not checked again (a Python loop
+over every parameter on every step would sit on the training step's hot path)."""
+
+
 def _refuse_stale_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _checked_optimizers:
+        return
     for parameter in (p for group in optimizer.param_groups for p in group["params"]):
         layout = getattr(parameter, _REPLACED_BY, None)
         if layout is not None:
@@ -222,6 +231,7 @@ def _refuse_stale_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any)
                 "Prepare it with the model, accelerator.prepare(model, optimizer), or build it after "
                 "prepare() from the prepared model's parameters."
             )
+    _checked_optimizers.add(optimizer)
 
 
 def attach_loss_parallel(model: nn.Module) -> None:
