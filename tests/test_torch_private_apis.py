@@ -123,3 +123,15 @@ def test_a_group_counts_the_collectives_it_issued():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
+
+
+def test_torch_dispatch_mode_sees_c10d_collectives():
+    """tests/workers/collective_bytes.py (tests and benchmarks only) counts the bytes of collectives with a
+    TorchDispatchMode from torch.utils._python_dispatch, reading each c10d op's payload argument."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    assert hasattr(TorchDispatchMode, "__torch_dispatch__")
+    schema = torch.ops.c10d._allgather_base_.default._schema
+    assert [argument.name for argument in schema.arguments][:2] == ["output_tensor", "input_tensor"]
+    schema = torch.ops.c10d._reduce_scatter_base_.default._schema
+    assert [argument.name for argument in schema.arguments][:2] == ["output_tensor", "input_tensor"]

@@ -416,7 +416,9 @@ class Accelerator(
         if device_placement:
             model = model.to(self.device)
         before = dict(unwrap(model).named_parameters(remove_duplicate=False))  # names as the user's module's
-        prepared = parallelize(model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs)
+        prepared = parallelize(
+            model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs, self.precision.dtype
+        )
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)

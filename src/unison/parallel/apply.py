@@ -17,7 +17,7 @@ import contextlib
 import dataclasses
 import logging
 import weakref
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
@@ -30,6 +30,9 @@ from .ddp import wrap_data_parallel, wrap_ddp
 from .engines import is_dtensor
 from .mesh import data_parallel_mesh
 from .pipeline import build_pipeline, split_model
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
 
 logger = logging.getLogger("unison")
 
@@ -66,15 +69,18 @@ def parallelize(
     mesh: DeviceMesh | None,
     device: torch.device,
     ddp_kwargs: dict[str, Any],
+    param_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Wrap `model` (already on `device`) for `config` over `mesh`; returns the module to train.
 
     Under pipeline parallelism that is a `PipelineModel` holding this rank's stages, each already
     tensor-parallel and data-parallel as the layout says. Call on every rank with the same arguments:
     the wrappers create and use process groups.
+    param_dtype: the mixed-precision compute dtype (bf16, fp16), or None in full precision; FSDP2 then
+    gathers parameters in it (see `sharded_mixed_precision`).
     """
     if (config.pp_size or 1) == 1:
-        return _parallelize_part(model, config, mesh, device, ddp_kwargs)
+        return _parallelize_part(model, config, mesh, device, ddp_kwargs, param_dtype)
     pp_mesh = mesh["pp"]
     if (config.tp_size or 1) > 1 and config.tp_plan is not None:
         from .tensor import check_tensor_parallel
@@ -84,7 +90,7 @@ def parallelize(
         model, pp_mesh.get_local_rank(), config.pp_size, config.pp_split_points, config.pp_schedule
     )
     parts = [
-        (index, _parallelize_part(stage, _for_stage(config, stage), mesh, device, ddp_kwargs))
+        (index, _parallelize_part(stage, _for_stage(config, stage), mesh, device, ddp_kwargs, param_dtype))
         for index, stage in stages
     ]
     return build_pipeline(parts, pp_mesh, config.pp_schedule, pipeline_microbatches(config), device)
@@ -112,6 +118,7 @@ def _parallelize_part(
     mesh: DeviceMesh | None,
     device: torch.device,
     ddp_kwargs: dict[str, Any],
+    param_dtype: torch.dtype | None,
 ) -> nn.Module:
     """Tensor parallel, then the data-parallel engine, on a whole model or one pipeline stage."""
     if (config.tp_size or 1) > 1:
@@ -138,7 +145,30 @@ def _parallelize_part(
         return wrap_ddp(model, device, {**ddp_kwargs, "process_group": _dp_group(mesh)})
     from .zero import apply_zero  # FSDP2 loads only for layouts that use it (see engines.py)
 
-    return apply_zero(model, fsdp_stage(config), mesh=_fsdp_mesh(mesh), blocks=config.zero_blocks)
+    return apply_zero(
+        model,
+        fsdp_stage(config),
+        mesh=_fsdp_mesh(mesh),
+        blocks=config.zero_blocks,
+        mixed_precision_policy=sharded_mixed_precision(param_dtype),
+    )
+
+
+def sharded_mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy | None:
+    """FSDP2's policy for a mixed-precision run: parameters all-gathered and used in `param_dtype`,
+    gradients reduce-scattered in fp32, the sharded master weights and optimizer state kept in fp32.
+
+    Autocast alone would gather the fp32 shards and cast them after: twice the bytes of every
+    all-gather. Autocast still runs on top (precision.py): its cast of an already-bf16 weight is free,
+    and it keeps the ops it lists in fp32 (softmax, norms, losses), so a step computes what the
+    one-process autocast run computes, from the same bf16-rounded weights (torchtitan uses the same
+    policy; tests/test_mixed_precision_sharded.py measures the bytes and the fidelity).
+    """
+    if param_dtype is None:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2 loads only for layouts that use it
+
+    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
 def _dp_group(mesh: DeviceMesh | None):

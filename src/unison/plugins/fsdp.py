@@ -49,8 +49,9 @@ class FullyShardedDataParallelPlugin:
     transformer_cls_names_to_wrap shards every module of those classes one by one
     (ParallelismConfig.zero_blocks); without names, unison's own choice, the model's largest list of
     same-class blocks. mixed_precision_policy ("bf16", "fp16", or anything with a param_dtype, as torch's
-    MixedPrecision / MixedPrecisionPolicy) sets Accelerator(mixed_precision=...): autocast over the
-    sharded fp32 parameters. state_dict_type FULL_STATE_DICT and SHARDED_STATE_DICT are both accepted:
+    MixedPrecision / MixedPrecisionPolicy) sets Accelerator(mixed_precision=...): FSDP2 gathers
+    parameters in that dtype and reduces gradients in fp32 over fp32 shards, with autocast on top.
+    state_dict_type FULL_STATE_DICT and SHARDED_STATE_DICT are both accepted:
     save_state writes a sharded checkpoint under sharding (loadable into any layout), save_model a full
     one. sync_module_states (Accelerate's default True): FSDP2 shards each process's own copy, so build
     the model identically on every process (set_seed before building it, or load the same weights).
