@@ -1,4 +1,5 @@
-"""bf16 under ZeRO-2/3: FSDP2 gathers bf16 parameters and reduces fp32 gradients, and trains as autocast does.
+"""bf16 under ZeRO-2/3: FSDP2 gathers bf16 parameters and reduces fp32 gradients, and trains as autocast does;
+and accumulation reduces gradients every micro-batch by default there (sync_each_batch chosen by memory).
 
 One launch of tests/workers/sharded_precision_worker.py (2 processes) trains the tiny GPT under each
 layout in fp32 and in bf16 (accumulation, clipping, a rate changing every step, a short last window),
@@ -49,3 +50,12 @@ def test_bf16_trains_as_one_process_under_autocast(report, layout):
     assert run["vs_fp32"] <= 1.5 * noise, run
     assert run["vs_same_precision"] <= 2 * noise, run
     assert run["dtypes"] == ["torch.float32"]  # master weights (and checkpoints) stay fp32
+
+
+def test_sharded_accumulation_reduces_every_micro_batch_by_default_and_once_per_window_on_request(report):
+    """11 micro-batches in 6 windows (the last holds one): FSDP2 keeps no unsharded gradients between
+    micro-batches by default; sync_each_batch=False trades that memory for 6 reduce-scatters instead of 11."""
+    default, once = report["zero3/no"], report["zero3/no/sync_each_batch=False"]
+    per_reduction = once["bytes"]["reduce_scatter"] / 6
+    assert default["bytes"]["reduce_scatter"] == 11 * per_reduction
+    assert once["vs_same_precision"] < 1e-6 and default["vs_same_precision"] < 1e-6

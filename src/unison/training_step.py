@@ -21,6 +21,7 @@ import torch
 
 from .item_count import scale_gradients
 from .kwargs_handlers import AutocastKwargs
+from .parallel.apply import data_parallel_engine
 from .parallel.clipping import clip_grad_norm
 from .parallel.ddp import check_every_parameter_got_a_gradient, skip_gradient_sync, trigger_sync_in_backward
 from .parallel.engines import is_dtensor
@@ -39,6 +40,15 @@ class TrainingStepMethods:
     def sync_gradients(self) -> bool:
         """True on the micro-step that ends an accumulation window: gradients all-reduced, optimizer steps."""
         return self.gradient_state.sync_gradients
+
+    @property
+    def sync_each_batch(self) -> bool:
+        """Whether accumulate() reduces gradients on every micro-step: the plugin's choice, else by memory
+        (GradientAccumulationPlugin.sync_each_batch): True where FSDP2 shards gradients."""
+        chosen = self.gradient_accumulation_plugin.sync_each_batch
+        if chosen is not None:
+            return chosen
+        return self.parallelism is not None and data_parallel_engine(self.parallelism) == "fsdp"
 
     @property
     def optimizer_step_was_skipped(self) -> bool:
@@ -64,7 +74,7 @@ class TrainingStepMethods:
         gradient_accumulation_plugin.sync_each_batch asks for it on every micro-step)."""
         self._do_sync()
         with contextlib.ExitStack() as stack:
-            if not self.sync_gradients and not self.gradient_accumulation_plugin.sync_each_batch:
+            if not self.sync_gradients and not self.sync_each_batch:
                 for model in models:
                     stack.enter_context(skip_gradient_sync(model))
             self._in_accumulate = True

@@ -4,7 +4,9 @@ For each layout named on the command line and each precision (fp32, bf16) it tra
 through the ordinary loop (prepare, accumulate 2, backward, clipping, a rate that changes every step,
 a loader whose last window is short), counting the bytes each collective kind sends
 (collective_bytes.py), and compares the consolidated parameters with one process of plain torch,
-fp32 or under bf16 autocast (computed here, on every rank). Process 0 writes a JSON report to argv[1].
+fp32 or under bf16 autocast (computed here, on every rank). The last layout also runs in fp32 with
+sync_each_batch=False (gradients reduced once per window instead of every micro-batch, the default
+under FSDP2). Process 0 writes a JSON report to argv[1].
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from collective_bytes import CollectiveBytes
 from tiny_gpt import make_tiny_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Accelerator, AcceleratorState, PartialState
+from unison import Accelerator, AcceleratorState, GradientAccumulationPlugin, PartialState
 
 SEED, BLOCK, SAMPLES, GLOBAL_BATCH, ACCUMULATION, MAX_NORM = 3, 16, 44, 8, 2, 0.6
 
@@ -49,10 +51,13 @@ def reference(precision: str) -> dict[str, torch.Tensor]:
     return model.state_dict()
 
 
-def train(layout: str, precision: str) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
+def train(
+    layout: str, precision: str, sync_each_batch: bool | None = None
+) -> tuple[dict[str, torch.Tensor], dict[str, int], int]:
     AcceleratorState._reset_state()  # one precision per Accelerator: a new one for each run
+    plugin = GradientAccumulationPlugin(num_steps=ACCUMULATION, sync_each_batch=sync_each_batch)
     accelerator = Accelerator(
-        cpu=True, parallelism=layout, mixed_precision=precision, gradient_accumulation_steps=ACCUMULATION
+        cpu=True, parallelism=layout, mixed_precision=precision, gradient_accumulation_plugin=plugin
     )
     model = make_tiny_gpt(SEED, BLOCK)
     optimizer, scheduler = optimizer_and_scheduler(model.parameters())
@@ -83,15 +88,16 @@ def main() -> None:
     state = PartialState(cpu=True)
     expected = {precision: reference(precision) for precision in ("no", "bf16")}
     report: dict = {"bf16_vs_fp32_one_process": max_difference(expected["bf16"], expected["no"])}
-    for layout in layouts:
-        for precision in ("no", "bf16"):
-            parameters, sent, steps = train(layout, precision)
-            entry = {"bytes": sent, "steps": steps}
-            if state.is_main_process:
-                entry["dtypes"] = sorted({str(t.dtype) for t in parameters.values()})
-                entry["vs_same_precision"] = max_difference(parameters, expected[precision])
-                entry["vs_fp32"] = max_difference(parameters, expected["no"])
-            report[f"{layout}/{precision}"] = entry
+    runs = [(layout, precision, None) for layout in layouts for precision in ("no", "bf16")]
+    for layout, precision, sync_each_batch in [*runs, (layouts[-1], "no", False)]:
+        parameters, sent, steps = train(layout, precision, sync_each_batch)
+        entry = {"bytes": sent, "steps": steps}
+        if state.is_main_process:
+            entry["dtypes"] = sorted({str(t.dtype) for t in parameters.values()})
+            entry["vs_same_precision"] = max_difference(parameters, expected[precision])
+            entry["vs_fp32"] = max_difference(parameters, expected["no"])
+        name = f"{layout}/{precision}" + ("" if sync_each_batch is None else "/sync_each_batch=False")
+        report[name] = entry
     if state.is_main_process:
         out.write_text(json.dumps(report, indent=1))
 
