@@ -191,7 +191,13 @@ class TrainingStepMethods:
             # a summed loss (num_items): gradients of the micro-batches' sum, normalised at the window end
             divide_by = self.gradient_accumulation_steps if counted is None else 1 / model.microbatches
             with self._loss_parallel():
-                loss = model.step(inputs, target, loss_fn, divide_by=divide_by)
+                loss = model.step(
+                    inputs,
+                    target,
+                    loss_fn,
+                    divide_by=divide_by,
+                    sync=self.sync_gradients or self.sync_each_batch,
+                )
             self._end_backward(counted)
             return loss if counted is None else loss * model.microbatches
         loss = self._forward_and_loss(model, inputs, target, loss_fn)

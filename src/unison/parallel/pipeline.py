@@ -89,6 +89,8 @@ class PipelineModel(nn.Module):
         self._loss_scale = 1.0
         self._losses: list[torch.Tensor] = []
         self._shapes: tuple[bool, tuple] | None = None  # (training?, shapes) the schedule was sized for
+        # tied weights' gradients from before the accumulation window in progress, None between windows
+        self._held_tied_grads: list[list[torch.Tensor | None]] | None = None
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError(
@@ -103,7 +105,7 @@ class PipelineModel(nn.Module):
         return (p for p in self.parameters() if id(p) not in self._norm_excluded)
 
     def step(
-        self, inputs: Any, target: torch.Tensor, loss_fn: LossFn, *, divide_by: float = 1.0
+        self, inputs: Any, target: torch.Tensor, loss_fn: LossFn, *, divide_by: float = 1.0, sync: bool = True
     ) -> torch.Tensor:
         """Forward and backward of all micro-batches; returns the mean loss (detached) on every rank.
 
@@ -112,14 +114,20 @@ class PipelineModel(nn.Module):
         loss_fn(output, target): output as the model returns it (GPT: `(logits, None)`), mean-reduced.
         divide_by: gradients become those of mean_loss / divide_by (gradient accumulation); the
             returned loss is not divided. Gradients accumulate into `.grad` across calls.
+        sync: False on the non-final micro-steps of an accumulation window: the copies of a weight tied
+            across stages keep their local gradients, summed over the pipeline ranks once, by the call
+            that ends the window (the sum is linear: one all-reduce of the window's total is the same).
         """
         inputs = self._prepare(inputs, target, loss_fn, training=True)
         self._loss_scale = 1.0 / (self.microbatches * divide_by)
-        held = [[self._detach_grad(p) for p in params] for params, _ in self._tie_groups]
+        if self._held_tied_grads is None:  # the window's first call: set aside what was reduced before
+            self._held_tied_grads = [[self._detach_grad(p) for p in params] for params, _ in self._tie_groups]
         self.schedule.step(*inputs, target=target)
-        for (params, group), previous in zip(self._tie_groups, held):
-            for param, before in zip(params, previous):
-                self._sum_tied_grad(param, before, group)
+        if sync:
+            for (params, group), previous in zip(self._tie_groups, self._held_tied_grads):
+                for param, before in zip(params, previous):
+                    self._sum_tied_grad(param, before, group)
+            self._held_tied_grads = None
         return self._mean_loss()
 
     @torch.no_grad()
@@ -179,7 +187,7 @@ class PipelineModel(nn.Module):
 
     @staticmethod
     def _detach_grad(param: torch.Tensor) -> torch.Tensor | None:
-        """Take the gradient accumulated so far off a tied weight, so only this call's part is summed."""
+        """Take the gradient accumulated so far off a tied weight, so only this window's part is summed."""
         before, param.grad = param.grad, None
         return before
 
