@@ -144,3 +144,60 @@ def test_autocast_takes_an_autocast_handler_for_the_block_as_accelerate_does():
         assert (x @ x).dtype == torch.bfloat16 and not torch.is_autocast_cache_enabled()
     with pytest.raises(TypeError, match=r"autocast\(False\): pass an AutocastKwargs"):
         accelerator.autocast(False)  # a bool would be a handler that is always "true"
+
+
+class ReturnsItsLoss(nn.Module):
+    """Hugging Face's convention with labels: a mapping with the model's own loss beside the logits."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 16)
+
+    def forward(self, x, labels=None):
+        logits = self.proj(x)
+        output = {"logits": logits, "hidden": [logits * 2]}
+        if labels is not None:
+            output["loss"] = nn.functional.cross_entropy(logits, labels)
+        return output
+
+
+@pytest.mark.parametrize(
+    "convert, with_labels, logits_dtype",
+    [
+        (None, True, torch.bfloat16),  # the model computed its loss: its logits stay as computed
+        (None, False, torch.float32),  # a loss computed outside the model gets fp32 logits, as Accelerate
+        (True, True, torch.float32),
+        (False, False, torch.bfloat16),
+    ],
+)
+def test_convert_outputs_to_fp32_keeps_big_outputs_half_when_the_model_returned_its_loss(
+    convert, with_labels, logits_dtype
+):
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True, convert_outputs_to_fp32=convert)
+    model = accelerator.prepare(ReturnsItsLoss())
+    x, labels = torch.randn(4, 8), torch.tensor([1, 2, 3, 4])
+    output = model(x, labels) if with_labels else model(x)
+    assert output["logits"].dtype == output["hidden"][0].dtype == logits_dtype
+    if with_labels:
+        expected = torch.float32 if convert is not False else output["loss"].dtype
+        assert output["loss"].dtype == expected
+        output["loss"].backward()  # the converted loss still reaches the weights
+        assert model.proj.weight.grad is not None
+
+
+def test_convert_outputs_to_fp32_is_refused_unless_true_false_or_none():
+    with pytest.raises(ValueError, match=r"convert_outputs_to_fp32='auto'.*True.*False.*None"):
+        Accelerator(mixed_precision="bf16", cpu=True, convert_outputs_to_fp32="auto")
+
+
+def test_a_hugging_face_model_given_labels_keeps_its_logits_in_bf16_and_its_loss_in_fp32():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2
+    )
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True)
+    model = accelerator.prepare(transformers.LlamaForCausalLM(config))
+    ids = torch.randint(0, 64, (2, 8))
+    output = model(input_ids=ids, labels=ids)
+    assert output.loss.dtype == torch.float32 and output["loss"] is output.loss
+    assert output.logits.dtype == torch.bfloat16

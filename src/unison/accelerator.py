@@ -89,7 +89,9 @@ class Accelerator(
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
     environment variables of `unison.launch_env`), else the defaults below; arguments given in code
-    always win.
+    always win. `convert_outputs_to_fp32` (unison's): under mixed precision, True hands every floating
+    output of a prepared model back in fp32 (Accelerate), False none, None (default) all but the logits
+    of a model that returned its own loss (see PrecisionPolicy.outputs_to_fp32).
     """
 
     def __init__(
@@ -114,6 +116,7 @@ class Accelerator(
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         deepspeed_plugins: Any = None,
+        convert_outputs_to_fp32: bool | None = None,
     ):
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
@@ -156,7 +159,7 @@ class Accelerator(
         autocast_kwargs = handlers.get(AutocastKwargs, AutocastKwargs()).changed_kwargs()
         self.profile_handler: ProfileKwargs | None = handlers.get(ProfileKwargs)
         self.precision = PrecisionPolicy(
-            self.state.mixed_precision, self.device, scaler_kwargs, autocast_kwargs
+            self.state.mixed_precision, self.device, scaler_kwargs, autocast_kwargs, convert_outputs_to_fp32
         )
         self.step = 0  # micro-steps since the last sync (Accelerate's meaning)
         self._window_micro_steps = self.gradient_accumulation_steps  # of the window in progress
@@ -428,7 +431,10 @@ class Accelerator(
         # DDP's wrapper, so that unwrap_model gives it with autocast, as Accelerate's keep_fp32_wrapper)
         user_module = unwrap(prepared)
         for part in prepared.stage_modules if isinstance(prepared, PipelineModel) else [user_module]:
-            self._autocast_hooks.setdefault(id(user_module), []).extend(self.precision.attach_to(part))
+            # a stage before the last sends its outputs to the next stage: in the dtype it computed them
+            last = not isinstance(prepared, PipelineModel) or part.stage_index == part.num_stages - 1
+            hooks = self.precision.attach_to(part, convert_outputs=last)
+            self._autocast_hooks.setdefault(id(user_module), []).extend(hooks)
             if self.parallelism.loss_parallel:
                 attach_loss_parallel(part)
         self._remember(model, prepared)
