@@ -101,7 +101,7 @@ def test_accelerate_defaults_and_the_utils_namespace():
         even_batches=True,
         use_seedable_sampler=False,
         data_seed=None,
-        non_blocking=False,
+        non_blocking=None,  # Accelerate: False; None pins and copies without waiting on a GPU
         use_stateful_dataloader=False,
     )
     # sync_each_batch: Accelerate's False everywhere; unison's None chooses by memory (True under FSDP2)

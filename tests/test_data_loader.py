@@ -68,6 +68,26 @@ def test_prepared_loader_is_a_real_dataloader_that_keeps_the_users_settings():
         prepare_data_loader(user, rng_types=["torch", "torch_cuda"])
 
 
+@pytest.mark.parametrize(
+    "device, loader_pins, non_blocking, expected",
+    [
+        ("cuda", False, None, (True, True)),  # the default on a GPU: pinned, queued copies
+        ("cuda", False, False, (False, False)),  # blocking, as Accelerate's default
+        ("cuda", True, False, (True, False)),  # the loader's own pinning is kept
+        ("cpu", True, None, (False, False)),  # nothing to pin for, whatever was asked
+        ("cpu", False, True, (False, False)),
+    ],
+)
+def test_batches_are_pinned_and_copied_without_waiting_on_a_gpu_by_default(
+    device, loader_pins, non_blocking, expected
+):
+    from unison.data.prepare import host_to_device_copies
+
+    assert host_to_device_copies(torch.device(device), loader_pins, True, non_blocking) == expected
+    # a loader that does not put batches on the device never copies them
+    assert host_to_device_copies(torch.device(device), False, False, non_blocking)[0] is False
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_end_of_dataloader_remainder_and_gradient_state(num_workers):
     dataset = EpochAware()

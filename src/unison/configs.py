@@ -30,7 +30,11 @@ class DataLoaderConfiguration:
         Both give the same samples per global step on any number of processes and resume exactly.
     data_seed: the seed of the use_seedable_sampler order (setting it implies use_seedable_sampler; None:
         the loader's generator's seed, else torch's initial seed).
-    non_blocking: copy batches to the GPU without waiting (pinned memory; no effect on the CPU).
+    non_blocking: copy batches to the GPU without waiting, from pinned memory (the loader pins its
+        batches); None (the default; Accelerate's is False) means True on a GPU: a blocking copy stalls
+        the Python thread until the batch has arrived, while a copy from pinned memory is queued on the
+        stream the model's kernels run on, so it overlaps the launch of the step and is ordered before
+        them. No effect on the CPU. False: blocking copies, and pinned memory only if the loader asks.
     use_stateful_dataloader: prepared loaders already save and restore their position mid-epoch through
         state_dict()/load_state_dict() (and save_state/load_state), so True needs no torchdata.
     """
@@ -40,7 +44,7 @@ class DataLoaderConfiguration:
     even_batches: bool = True
     use_seedable_sampler: bool = False
     data_seed: int | None = None
-    non_blocking: bool = False
+    non_blocking: bool | None = None
     use_stateful_dataloader: bool = False
 
 

@@ -42,7 +42,7 @@ def prepare_data_loader(
     rng_types: Sequence[str] | None = None,
     dispatch_batches: bool | None = None,
     even_batches: bool = True,
-    non_blocking: bool = False,
+    non_blocking: bool | None = None,
     data_seed: int | None = None,
     use_seedable_sampler: bool = False,
 ) -> DataLoaderShard | DataLoaderDispatcher:
@@ -50,7 +50,7 @@ def prepare_data_loader(
 
     num_processes / process_index default to PartialState's. dispatch_batches defaults to True for an
     IterableDataset with more than one process. put_on_device moves every batch to `device`
-    (default: the process's device), with non_blocking copies and pinned memory on CUDA only.
+    (default: the process's device); see `host_to_device_copies` for pinning and non_blocking.
     The order is the user's loader's: each pass draws as plain PyTorch does, from process 0's generator
     states (see torch_order). use_seedable_sampler=True, or a data_seed, makes each epoch's order a
     function of (seed, epoch) instead (see randomness): data_seed is that seed (default: the loader's
@@ -75,20 +75,21 @@ def prepare_data_loader(
     process_index = state.process_index if process_index is None else process_index
     check_process_index(num_processes, process_index)
     device = state.device if device is None else torch.device(device)
-    on_cuda = device.type == "cuda"
     iterable = isinstance(dataloader.dataset, IterableDataset)
     if dispatch_batches is None:
         dispatch_batches = iterable and num_processes > 1
     seedable = use_seedable_sampler or data_seed is not None
+    pin_memory, non_blocking = host_to_device_copies(
+        device, dataloader.pin_memory, put_on_device, non_blocking
+    )
     common: dict[str, Any] = {
         **carried_settings(dataloader),
         "device": device if put_on_device else None,
-        "non_blocking": non_blocking and on_cuda,
+        "non_blocking": non_blocking,
         "rng_types": check_rng_types(rng_types),
         "use_seedable_sampler": seedable,
+        "pin_memory": pin_memory,
     }
-    # pinned memory serves only host-to-GPU copies; on a CPU device torch would warn about it
-    common["pin_memory"] = on_cuda and (dataloader.pin_memory or (put_on_device and non_blocking))
     dataset = dataloader.dataset
     batching = _batching(dataloader, seedable, data_seed)
 
@@ -185,3 +186,18 @@ def skip_first_batches(dataloader: DataLoader, num_batches: int = 0) -> DataLoad
             "prepare the loader first (prepare_data_loader / Accelerator.prepare) and skip on the result."
         )
     return skipping_loader(dataloader, num_batches)
+
+
+def host_to_device_copies(
+    device: torch.device, loader_pins: bool, put_on_device: bool, non_blocking: bool | None
+) -> tuple[bool, bool]:
+    """(pin_memory, non_blocking) of a prepared loader's batches: DataLoaderConfiguration.non_blocking
+    None means True when the batches are put on a GPU, and a non-blocking copy needs a pinned source
+    (from pageable memory CUDA copies synchronously whatever the flag says), so the loader then pins.
+    On any other device both are False: pinned memory serves only host-to-GPU copies, and torch warns
+    about pin_memory without an accelerator."""
+    if device.type != "cuda":
+        return False, False
+    if non_blocking is None:
+        non_blocking = put_on_device
+    return loader_pins or (put_on_device and non_blocking), non_blocking
