@@ -19,7 +19,9 @@ import json
 import pytest
 from launching import WORKERS, launch_ok
 
-LAYOUTS = ("zero2", "zero3")
+# zero3 last: it also runs with sync_each_batch=False. offload=true on the CPU runs FSDP2's
+# CPUOffloadPolicy unpinned, with nothing to move: the same numbers and bytes as without it.
+LAYOUTS = ("zero2", "zero3,offload=true", "zero3")
 
 
 @pytest.fixture(scope="module")
@@ -59,3 +61,10 @@ def test_sharded_accumulation_reduces_every_micro_batch_by_default_and_once_per_
     per_reduction = once["bytes"]["reduce_scatter"] / 6
     assert default["bytes"]["reduce_scatter"] == 11 * per_reduction
     assert once["vs_same_precision"] < 1e-6 and default["vs_same_precision"] < 1e-6
+
+
+@pytest.mark.parametrize("precision", ["no", "bf16"])
+def test_offloaded_zero3_trains_and_communicates_as_zero3(report, precision):
+    offloaded, plain = report[f"zero3,offload=true/{precision}"], report[f"zero3/{precision}"]
+    assert offloaded["bytes"] == plain["bytes"]
+    assert offloaded["vs_same_precision"] == pytest.approx(plain["vs_same_precision"], abs=1e-6)

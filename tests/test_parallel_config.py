@@ -84,6 +84,9 @@ def test_good_layouts_fill_the_world(config, world, expected):
             2,
             ["zero_stage=2 shards over the dp_shard", "dp_shard_size=1"],
         ),
+        (ParallelismConfig(offload=True), 2, ["offload=true keeps ZeRO-2/3's shards", "dp_replicate=2"]),
+        (ParallelismConfig(zero_stage=1, offload=True), 2, ["(ZeRO-1, offloaded)", "'zero3,offload=true'"]),
+        (ParallelismConfig(zero_stage=3, tp_size=2, offload=True), 4, ["without tp_size or pp_size"]),
     ],
 )
 def test_bad_layouts_name_the_problem(config, world, messages):
@@ -111,6 +114,8 @@ def test_interleaved_split_points_accept_two_stages_per_rank():
             "pp_size=2, pp_schedule=gpipe, pp_microbatches=4",
             ParallelismConfig(pp_size=2, pp_schedule="gpipe", pp_microbatches=4),
         ),
+        ("zero3,offload=true", ParallelismConfig(zero_stage=3, offload=True)),
+        ("zero2, dp_shard_size=2", ParallelismConfig(zero_stage=2, dp_shard_size=2)),
     ],
 )
 def test_from_string(text, expected):

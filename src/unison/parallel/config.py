@@ -26,7 +26,7 @@ PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (1, 2, 3)
 SHORTHANDS = ("ddp", "zero1", "zero2", "zero3", "dataparallel")
 
-_BOOLEAN_FIELDS = ("sequence_parallel", "loss_parallel")
+_BOOLEAN_FIELDS = ("sequence_parallel", "loss_parallel", "offload")
 _SCALAR_FIELDS = (*DEGREE_FIELDS, "zero_stage", "pp_schedule", "pp_microbatches", *_BOOLEAN_FIELDS)
 """Fields that `from_string` accepts as FIELD=VALUE (plans and split points need code)."""
 
@@ -34,7 +34,8 @@ _SCALAR_FIELDS = (*DEGREE_FIELDS, "zero_stage", "pp_schedule", "pp_microbatches"
 def _accepted_strings() -> str:
     return (
         f"{', '.join(repr(s) for s in SHORTHANDS)}, or comma-separated FIELD=VALUE pairs with FIELD in "
-        f"{', '.join(_SCALAR_FIELDS)} (e.g. 'dp_shard_size=2,tp_size=2')"
+        f"{', '.join(_SCALAR_FIELDS)} (e.g. 'dp_shard_size=2,tp_size=2'; a ZeRO shorthand may lead them: "
+        "'zero3,offload=true')"
     )
 
 
@@ -64,6 +65,10 @@ class ParallelismConfig:
     loss_parallel: with tensor parallel, compute the cross-entropy on vocabulary-sharded logits without
         gathering them (the logits' memory / tp_size); the loss must be computed by the model's forward
         or in `Accelerator.forward_backward`, where unison enters torch's loss_parallel context.
+    offload: with ZeRO-2/3, keep parameters, gradients and optimizer state in host memory (FSDP2's
+        CPUOffloadPolicy, the guide's ZeRO-Offload): the device holds only the blocks being computed and
+        the activations; each step copies shards in and gradients out over PCIe and the optimizer steps
+        on the CPU. For models that fit no other way (the planner proposes it only then).
     legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
         Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
         threads, no overloaded GPU 0; see docs/data-parallel.md).
@@ -82,6 +87,7 @@ class ParallelismConfig:
     zero_blocks: str | None = None
     sequence_parallel: bool = False
     loss_parallel: bool = False
+    offload: bool = False
     legacy_data_parallel: bool = False
 
     @classmethod
@@ -97,6 +103,10 @@ class ParallelismConfig:
             return cls(legacy_data_parallel=True)
         if value in SHORTHANDS:
             return cls(zero_stage=int(value[-1]))
+        first, _, rest = value.partition(",")
+        if first.strip() in SHORTHANDS and first.strip() not in ("ddp", "dataparallel") and rest:
+            # a ZeRO shorthand with options: "zero3,offload=true"
+            return dataclasses.replace(cls.from_string(rest), zero_stage=int(first.strip()[-1]))
         if is_auto(value):
             raise ValueError(
                 "parallelism='auto' is not a fixed layout: the Accelerator asks the planner for one at "
@@ -264,6 +274,14 @@ class ParallelismConfig:
             )
         if self.pp_split_points is not None:
             self._check_stage_count(len(self.pp_split_points) + 1)
+        if self.offload and (
+            self.zero_stage not in (2, 3) or (self.tp_size or 1) > 1 or (self.pp_size or 1) > 1
+        ):
+            raise ValueError(
+                f"offload=true keeps ZeRO-2/3's shards in host memory, but this layout is {self.describe()}: "
+                "offload works with zero_stage 2 or 3 over dp_shard, without tp_size or pp_size (not yet "
+                "supported with them). Use e.g. 'zero3,offload=true', or drop offload."
+            )
 
     def _check_stage_count(self, stages: int) -> None:
         if self.pp_schedule == "interleaved":
@@ -305,7 +323,7 @@ class ParallelismConfig:
             return "torch.nn.DataParallel (one process, every visible GPU)"
         text = " x ".join(used) or "single process"
         if self.zero_stage is not None:
-            text += f" (ZeRO-{self.zero_stage})"
+            text += f" (ZeRO-{self.zero_stage}{', offloaded' if self.offload else ''})"
         if (self.pp_size or 1) > 1:
             text += f", pp_schedule={self.pp_schedule}"
         return text
