@@ -58,11 +58,27 @@ def test_model_state_matches_hand_computed_bytes_for_1000_parameters():
     assert by["zero1", "fp32"] == (4000, 4000, 2000)  # 8,000 + 2,000
     assert by["zero2", "fp32"] == (4000, 1000, 2000)  # 4,000 + 3,000
     assert by["zero3", "fp32"] == by["tp", "fp32"] == by["pp", "fp32"] == (1000, 1000, 2000)  # 4,000
-    # mixed_precision="bf16" is autocast over fp32 weights: fp32 state, as fp32 (not the ZeRO paper's 2+2+12)
-    assert all(by[s, "bf16-mixed"] == by[s, "fp32"] for s, _, _ in memory.STRATEGIES)
-    bf16_mixed = next(p for p in memory.PRECISIONS if p.name == "bf16-mixed")
+    assert by["zero3_offload", "fp32"] == (0, 0, 0)  # all in host memory:
+    assert memory.host_bytes("zero3_offload", FP32, 1000, 1000, 4) == 4000 == sum(by["zero3", "fp32"])
+    assert memory.host_bytes("zero3", FP32, 1000, 1000, 4) == 0
+    # mixed_precision="bf16": fp32 master state, as fp32 (not the ZeRO paper's 2+2+12), except that ZeRO-2
+    # holds its gathered parameters in bf16 (FSDP2's MixedPrecisionPolicy) beside the fp32 shards
+    assert all(by[s, "bf16-mixed"] == by[s, "fp32"] for s, _, _ in memory.STRATEGIES if s != "zero2")
+    assert by["zero2", "bf16-mixed"] == (2000 + 1000, 1000, 2000)
+    assert memory.model_state_bytes("zero2_offload", BF16_MIXED, 1000, 1000, 4) == (2000, 0, 0)
+    assert memory.zero_gathered_unit_bytes("zero3", BF16_MIXED, 100) == (
+        200,
+        400,
+    )  # bf16 gathered, fp32 grads
+    assert memory.zero_gathered_unit_bytes("zero3", FP32, 100) == (400, 400)
+    # autocast's bf16 copies of fp32 weights: none where FSDP2 already gathers bf16 (ZeRO-2/3)
     assert (
-        memory.autocast_copy_bytes(bf16_mixed, 1000) == 2000 and memory.autocast_copy_bytes(FP32, 1000) == 0
+        memory.autocast_copy_bytes(BF16_MIXED, 1000) == 2000 and memory.autocast_copy_bytes(FP32, 1000) == 0
+    )
+    assert (
+        memory.autocast_copy_bytes(BF16_MIXED, 1000, "zero3")
+        == 0
+        == memory.autocast_copy_bytes(BF16_MIXED, 1000, "zero2")
     )
     assert by["ddp", "bf16"] == (2000, 2000, 4000)
     # frozen parameters carry no gradients and no Adam state; shards round up like padded shards
@@ -155,9 +171,9 @@ def test_7b_llama_like_builds_on_meta_instantly(tmp_path):
     )
     unit = 2 * vocab * hidden + hidden  # embedding, output layer and final norm: larger than a block
     assert shape.largest_unit == unit
-    # FSDP2 holds that unit's fp32 params and grads whole; autocast's bf16 casts of every weight are whole too
-    assert row.total == 16 * expected // 8 + (4 + 4) * unit + 2 * expected
-    assert row.parameters == 4 * expected // 8 + 4 * unit + 2 * expected
+    # FSDP2 gathers that unit's params whole in bf16 and holds its fp32 grads whole; no autocast casts
+    assert row.total == 16 * expected // 8 + (2 + 4) * unit
+    assert row.parameters == 4 * expected // 8 + 2 * unit
 
 
 FACTORIES = """\

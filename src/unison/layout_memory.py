@@ -48,9 +48,11 @@ def layout_memory(
 
     Share: Ψ/tp without a pipeline; with one, the heaviest stage (its blocks, rounded up, plus half the
     parameters outside the blocks: embedding on the first stage, output layer on the last), over tp.
-    ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters.
-    bf16-mixed adds autocast's bf16 copies of the share's trainable weights (memory.autocast_copy_bytes);
-    with activation checkpointing, of one block's only (the block being recomputed).
+    ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters
+    (in the compute dtype: bf16 under bf16-mixed). bf16-mixed adds autocast's bf16 copies of the share's
+    trainable weights where they are fp32 when computed (memory.autocast_copy_bytes: not under ZeRO-2/3);
+    with activation checkpointing, of one block's only (the block being recomputed). offload=true moves
+    the model state to host memory: the device keeps the gathered unit (memory.host_bytes).
     """
     precision = workload.bytes
     tp, pp, shard, stage = config.tp_size, config.pp_size, config.dp_shard_size, config.zero_stage
@@ -63,6 +65,8 @@ def layout_memory(
     held = math.ceil(held / tp)
     trainable = math.ceil(held * shape.trainable_parameters / shape.parameters) if shape.parameters else 0
     strategy = f"zero{stage}" if stage else "ddp"
+    if config.offload:
+        strategy += "_offload"
     params, grads, optim = memory.model_state_bytes(
         strategy, precision, held, trainable, shard if stage else 1
     )
@@ -76,7 +80,7 @@ def layout_memory(
         if workload.activation_checkpointing
         else trainable
     )
-    params += memory.autocast_copy_bytes(precision, cast)
+    params += memory.autocast_copy_bytes(precision, cast, strategy)
     return PlanMemory(params, grads, optim, activations(facts, workload, tp), device_memory)
 
 

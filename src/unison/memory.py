@@ -6,24 +6,26 @@ live here, in one place, so the `estimate-memory` command and the planner agree.
 
 Model state (design.md §3; Rajbhandari et al. 2020, "ZeRO", section 3.1), with Ψ the parameter count,
 N the number of devices, and per precision p/g/o = bytes per parameter of parameters, gradients and
-Adam state, priced as unison runs each precision: fp32 4/4/8; bf16-mixed (mixed_precision="bf16": autocast
-over fp32 parameters, so fp32 gradients and Adam moments, and FSDP2 gathers fp32) also 4/4/8, only the
-activations are 16-bit; plain bf16 (a model cast to bfloat16, so bf16 gradients and Adam moments)
-2/2/4. (The ZeRO paper's 2+2+12, bf16 parameters beside fp32 master weights, is not a mode unison has.)
+Adam state, priced as unison runs each precision: fp32 4/4/8; bf16-mixed (mixed_precision="bf16": fp32
+master parameters, gradients and Adam moments, bf16 compute) also 4/4/8; plain bf16 (a model cast to
+bfloat16, so bf16 gradients and Adam moments) 2/2/4. c = bytes per parameter FSDP2 gathers and
+computes with: p, except 2 under bf16-mixed (its MixedPrecisionPolicy gathers bf16).
 
     single device, DDP   pΨ + gΨ + oΨ
     ZeRO-1               pΨ + gΨ + oΨ/N
-    ZeRO-2               pΨ + (g + o)Ψ/N
+    ZeRO-2               cΨ (+ pΨ/N when c < p: the master shards beside the gathered copy) + (g + o)Ψ/N
     ZeRO-3               (p + g + o)Ψ/N
+    ZeRO-3 + offload     0 on the device; (p + g + o)Ψ/N in host memory (FSDP2's CPUOffloadPolicy)
     TP, PP of degree N   ~(p + g + o)Ψ/N   (an estimate: layer norms, biases and uneven stages differ)
 
 Gradients and Adam state count only trainable parameters; Ψ/N is rounded up, as sharding pads.
 
-Autocast's copies (bf16-mixed only): under autocast every matmul casts its fp32 weight to bf16 and keeps
-that copy for backward, so from the end of forward until backward reaches it a device holds 2 bytes per
-trainable parameter it computes with: Ψ under DDP and ZeRO-1/2, Ψ under ZeRO-3 too (FSDP2 frees its
-gathered fp32 weights after forward, not the casts saved from them), Ψ/N under TP and PP. Counted with
-the parameters. With activation checkpointing only the recomputed block's copies exist at a time.
+Autocast's copies (bf16-mixed, where the weights it computes with are fp32: single device, DDP, ZeRO-1,
+TP and PP without data-parallel sharding): every matmul casts its fp32 weight to bf16 and keeps that copy
+for backward, so from the end of forward until backward reaches it a device holds 2 bytes per trainable
+parameter it computes with (Ψ, or Ψ/N under TP and PP). Counted with the parameters. Under ZeRO-2/3
+FSDP2 already gathers bf16 weights, which autocast uses as they are: no copies. With activation
+checkpointing only the recomputed block's copies exist at a time.
 
 Activations per device (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
 Transformer Models", section 4), for a transformer of L blocks with hidden size h, sequence length s
@@ -70,15 +72,18 @@ class Precision:
     optimizer_bytes: int  # Adam: first and second moment
     activation_bytes: int
     autocast_copy_bytes: int  # per trainable parameter: autocast's 16-bit casts kept for backward
+    gathered_bytes: int  # per parameter FSDP2 all-gathers and computes with (its MixedPrecisionPolicy)
     description: str
 
 
 PRECISIONS: tuple[Precision, ...] = (
-    Precision("fp32", 4, 4, 8, 4, 0, "fp32 parameters, gradients and Adam moments"),
+    Precision("fp32", 4, 4, 8, 4, 0, 4, "fp32 parameters, gradients and Adam moments"),
     Precision(
-        "bf16-mixed", 4, 4, 8, 2, 2, "mixed_precision='bf16': fp32 params/grads/Adam under bf16 autocast"
+        "bf16-mixed", 4, 4, 8, 2, 2, 2, "mixed_precision='bf16': fp32 master params/grads/Adam, bf16 compute"
     ),
-    Precision("bf16", 2, 2, 4, 2, 0, "model cast to bf16: bf16 params/grads/Adam moments, no master weights"),
+    Precision(
+        "bf16", 2, 2, 4, 2, 0, 2, "model cast to bf16: bf16 params/grads/Adam moments, no master weights"
+    ),
 )
 
 # name, label, whether the figure is an estimate rather than exact model-state arithmetic
@@ -88,6 +93,7 @@ STRATEGIES: tuple[tuple[str, str, bool], ...] = (
     ("zero1", "ZeRO-1", False),
     ("zero2", "ZeRO-2", False),
     ("zero3", "ZeRO-3", False),
+    ("zero3_offload", "ZeRO-3 + offload", False),
     ("tp", "tensor parallel", True),
     ("pp", "pipeline parallel", True),
 )
@@ -255,9 +261,15 @@ def model_state_bytes(
     if strategy == "zero1":
         return full[0], full[1], optim_shard
     if strategy == "zero2":
-        return full[0], grad_shard, optim_shard
+        gathered = precision.gathered_bytes * parameters
+        master = param_shard if precision.gathered_bytes < precision.param_bytes else 0
+        return gathered + master, grad_shard, optim_shard
     if strategy in ("zero3", "tp", "pp"):
         return param_shard, grad_shard, optim_shard
+    if strategy == "zero3_offload":
+        return 0, 0, 0  # all of it in host memory: host_bytes
+    if strategy == "zero2_offload":  # the gathered copy stays on the device from forward to backward
+        return precision.gathered_bytes * parameters, 0, 0
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {[s for s, _, _ in STRATEGIES]}")
 
 
@@ -269,16 +281,26 @@ def zero_gathered_unit_bytes(strategy: str, precision: Precision, unit_parameter
     computes too. So the largest unit adds that much to the ZeRO paper's per-device formulas. Both
     `unison estimate-memory` and `unison plan` add it, from here.
     """
-    if strategy == "zero2":
+    if strategy in ("zero2", "zero2_offload"):
         return 0, unit_parameters * precision.grad_bytes
-    if strategy == "zero3":
-        return unit_parameters * precision.param_bytes, unit_parameters * precision.grad_bytes
+    if strategy in ("zero3", "zero3_offload"):
+        return unit_parameters * precision.gathered_bytes, unit_parameters * precision.grad_bytes
     return 0, 0
 
 
-def autocast_copy_bytes(precision: Precision, computed_trainable: int) -> int:
+def host_bytes(strategy: str, precision: Precision, parameters: int, trainable: int, devices: int) -> int:
+    """Host memory per device's process for its offloaded shards: (p + g + o)Ψ/N under offload, else 0."""
+    if not strategy.endswith("_offload"):
+        return 0
+    return sum(model_state_bytes("zero3", precision, parameters, trainable, devices))
+
+
+def autocast_copy_bytes(precision: Precision, computed_trainable: int, strategy: str = "ddp") -> int:
     """Autocast's 16-bit weight copies saved for backward (module docstring), for the trainable
-    parameters a device computes with: all of them under DDP and ZeRO, its share under TP and PP."""
+    parameters a device computes with: all of them under DDP and ZeRO-1, its share under TP and PP, none
+    under ZeRO-2/3 (FSDP2 gathers the weights in the compute dtype already)."""
+    if strategy.startswith(("zero2", "zero3")):
+        return 0
     return precision.autocast_copy_bytes * computed_trainable
 
 
@@ -317,15 +339,21 @@ def estimate(
             f"micro_batch_size={micro_batch_size}, seq_len={seq_len}: activations need both; "
             "give both or neither."
         )
+    fp32 = PRECISIONS[0]
+    offloaded = host_bytes("zero3_offload", fp32, shape.parameters, shape.trainable_parameters, devices)
     notes = [
         "TP and PP rows are estimates: ~1/N of the model state (replicated norms/biases and uneven "
         "stages add some).",
         f"ZeRO-2/3 rows include the largest FSDP2 unit ({shape.largest_unit or shape.parameters:,} "
         "parameters: a block, or everything outside the blocks) held whole: its gradients before the "
         "reduce-scatter, and under ZeRO-3 its parameters while it computes (as `unison plan` counts).",
-        "bf16-mixed is mixed_precision='bf16' as unison runs it: fp32 parameters, gradients and Adam "
-        "state under bf16 autocast; its parameter column adds autocast's bf16 weight copies kept for "
-        "backward (2 bytes per trainable parameter computed on the device, ZeRO-3 included).",
+        "bf16-mixed is mixed_precision='bf16' as unison runs it: fp32 master parameters, gradients and Adam "
+        "state, bf16 compute; its parameter column adds autocast's bf16 weight copies kept for backward "
+        "(2 bytes per trainable parameter computed on the device) except under ZeRO-2/3, whose FSDP2 "
+        "gathers bf16 weights (ZeRO-2 holds them whole beside its fp32 shards).",
+        "ZeRO-3 + offload keeps parameters, gradients and Adam state in host memory "
+        f"({format_bytes(offloaded)} per process in fp32); the device holds the unit being computed and "
+        "the activations.",
     ]
     with_activations = micro_batch_size is not None
     if with_activations and shape.layers is None:
@@ -350,7 +378,7 @@ def estimate(
                 extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
                 p, g = p + extra_p, g + extra_g
             split = devices if strategy in ("tp", "pp") else 1
-            p += autocast_copy_bytes(precision, math.ceil(shape.trainable_parameters / split))
+            p += autocast_copy_bytes(precision, math.ceil(shape.trainable_parameters / split), strategy)
             activations = None
             if with_activations:
                 activations = activation_bytes(

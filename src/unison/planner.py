@@ -275,6 +275,8 @@ def _ranked_layouts(facts: ModelFacts, hw: Hardware, workload: Workload) -> list
     for tp in (1, *tps):
         for pp in (1, *pp_degrees(tp)):
             order += [(tp, pp, data) for data in ("ddp", "zero2", "zero3")]
+    # last resort: every shard in host memory, each step copying over PCIe and stepping on the CPU
+    order.append((1, 1, "zero3_offload"))
     configs: list[ParallelismConfig] = []
     for tp, pp, data in order:
         config = _config(hw, tp, pp, data)
@@ -317,6 +319,10 @@ def _config(hw: Hardware, tp: int, pp: int, data: str) -> ParallelismConfig | No
         options["pp_microbatches"] = MICROBATCHES_PER_STAGE * pp
     if data == "ddp" or (data == "zero1" and dp == 1):
         options.update(dp_replicate_size=dp, dp_shard_size=1)
+    elif data == "zero3_offload":
+        if dp < 2 or tp > 1 or pp > 1:
+            return None
+        options.update(dp_replicate_size=1, dp_shard_size=dp, zero_stage=3, offload=True)
     elif data.startswith("zero"):
         if dp < 2:
             return None
@@ -357,6 +363,12 @@ def _why(config: ParallelismConfig) -> str:
     elif stage == 2:
         parts.append(
             f"ZeRO-2 over {shard}: gradients and optimizer state sharded, DDP's traffic, no model change"
+        )
+    elif stage == 3 and config.offload:
+        parts.append(
+            f"ZeRO-3 over {shard} with CPU offload: parameters, gradients and optimizer state in host "
+            "memory, copied in and out over PCIe every step and stepped on the CPU; the last resort, "
+            "proposed only when nothing else fits"
         )
     elif stage == 3:
         parts.append(
@@ -435,6 +447,16 @@ def _reasons(facts: ModelFacts, hw: Hardware, workload: Workload, winner: Candid
             f"one step runs {winner.config.pp_microbatches} micro-batches through the pipeline (4 per "
             f"stage): global batch = micro-batch x {winner.config.pp_microbatches} x dp "
             f"{winner.config.dp_size} (the guide: mbs x chunks x dp)"
+        )
+    if winner.config.offload:
+        shape, shards = facts.shape, winner.config.dp_shard_size
+        host = memory.host_bytes(
+            "zero3_offload", precision, shape.parameters, shape.trainable_parameters, shards
+        )
+        reasons.append(
+            f"host memory: {memory.format_bytes(host)} per process for the offloaded shards (parameters, "
+            "gradients, optimizer state), pinned; expect each step to be bound by PCIe copies and the "
+            "CPU's optimizer step"
         )
     if workload.micro_batch_size is None:
         reasons.append("activations not counted (no micro-batch size and sequence length given)")
