@@ -91,10 +91,20 @@ class TrainingStepMethods:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Iterator[None]:
-        """Accelerate's context for context parallelism, which shards `buffers` along their sequence
-        dimension when cp_size > 1. unison has no context-parallel dimension (cp_size must be 1), where
-        Accelerate's does nothing too: each process keeps whole sequences, and the block runs as it is."""
-        yield
+        """Accelerate's context for context parallelism: with cp_size > 1, `buffers` (the batch tensors
+        with a sequence dimension: inputs, labels, positions) are sharded in place along
+        `buffer_seq_dims` over the cp ranks, and every scaled_dot_product_attention in the block attends
+        over the whole sequences (torch's context_parallel: parallel/context.py). Put the forward and
+        the backward inside; the buffers are restored at exit, except those in `no_restore_buffers`.
+        With cp_size 1 the block runs as it is, as in Accelerate."""
+        layout = self._layout_needed("maybe_context_parallel()")
+        if (layout.cp_size or 1) == 1:
+            yield
+            return
+        from .parallel.context import context_parallel_block
+
+        with context_parallel_block(self.device_mesh, buffers, buffer_seq_dims, no_restore_buffers):
+            yield
 
     def backward(
         self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None, **kwargs

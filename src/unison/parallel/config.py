@@ -3,7 +3,8 @@
 One config describes every strategy of the multi-GPU guide as degrees of named dimensions, in
 torchtitan's order: pipeline (`pp`), data-parallel replicas (`dp_replicate`: DDP alone, FSDP2 beside
 tensor or pipeline parallelism), data-parallel
-shards (`dp_shard`, ZeRO 1/2/3) and tensor parallel (`tp`). Field names follow Hugging Face
+shards (`dp_shard`, ZeRO 1/2/3), context parallel (`cp`: each sequence split over the ranks) and tensor
+parallel (`tp`). Field names follow Hugging Face
 Accelerate's `ParallelismConfig` where it has them (`dp_replicate_size`, `dp_shard_size`, `tp_size`,
 `cp_size`), so configs migrate unchanged.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEGREE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
-"""The degrees, in mesh order (cp last: not supported yet)."""
+"""The degrees (the mesh puts cp before tp: parallel/mesh.py; cp stays last here, as messages name it)."""
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (1, 2, 3)
@@ -150,11 +151,6 @@ class ParallelismConfig:
                     f"{name}={value!r} is not a degree: each degree is a whole number >= 1 (1: the dimension "
                     f"is not used), or None to let it be filled in. Pass e.g. {name}=2."
                 )
-        if self.cp_size not in (None, 1):
-            raise ValueError(
-                f"cp_size={self.cp_size}: context parallelism is not supported yet. Leave cp_size at 1 and "
-                "split the sequence work with tp_size (and sequence parallel) or dp instead."
-            )
         self._check_options()
         resolved = self._fill(world_size)
         resolved._check_product(world_size)
@@ -264,6 +260,10 @@ class ParallelismConfig:
             )
         if self.pp_split_points is not None:
             self._check_stage_count(len(self.pp_split_points) + 1)
+        if (self.cp_size or 1) > 1:
+            from .context import check_context_parallel_layout
+
+            check_context_parallel_layout(self)
 
     def _check_stage_count(self, stages: int) -> None:
         if self.pp_schedule == "interleaved":
