@@ -24,7 +24,7 @@ from .kwargs_handlers import AutocastKwargs
 from .parallel.clipping import clip_grad_norm
 from .parallel.ddp import check_every_parameter_got_a_gradient, skip_gradient_sync, trigger_sync_in_backward
 from .parallel.engines import is_dtensor
-from .parallel.mesh import data_parallel_mesh
+from .parallel.mesh import loss_mesh
 from .parallel.pipeline import PipelineModel
 
 logger = logging.getLogger("unison")
@@ -236,11 +236,12 @@ class TrainingStepMethods:
         """Turn the window's summed gradients into the gradient of the mean over all its items.
 
         Every prepared model with gradients is data-parallel wrapped (DDP or FSDP2) over the N
-        data-parallel processes, so after this backward each gradient is the average of their local
+        data-parallel processes (and their context-parallel peers, which count their own parts), so
+        after this backward each gradient is the average of their local
         sums: N / global count makes it the global sum over the global count (with fp16 the loss scale
         stays in until unscaling). Tensor/pipeline ranks of one replica count the same items once.
         """
-        dp_mesh = data_parallel_mesh(self.device_mesh)
+        dp_mesh = loss_mesh(self.device_mesh)  # with cp, the cp peers too: each counted its own part
         factor = self._item_count.gradient_factor(
             dp_mesh.size() if dp_mesh is not None else 1,
             self.device,

@@ -23,34 +23,56 @@ from unison import Accelerator
 VOCAB, WIDTH, HEADS, SEQ, SAMPLES, PER_RANK_BATCH, STEPS = 32, 32, 4, 16, 16, 2, 3
 
 
-class Block(nn.Module):
+class Attention(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.norm1, self.norm2 = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
-        self.q, self.k, self.v, self.o = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
-        self.up, self.down = nn.Linear(WIDTH, 4 * WIDTH), nn.Linear(4 * WIDTH, WIDTH)
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (nn.Linear(WIDTH, WIDTH) for _ in range(4))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, _ = x.shape
-        h = self.norm1(x)
-        q, k, v = (proj(h).view(B, T, -1, WIDTH // HEADS).transpose(1, 2) for proj in (self.q, self.k, self.v))
+        B, T, _ = x.shape  # view(B, T, -1, head_dim): under tensor parallel a rank holds HEADS / tp heads
+        q, k, v = (
+            p(x).view(B, T, -1, WIDTH // HEADS).transpose(1, 2)
+            for p in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.o(y.transpose(1, 2).reshape(B, T, -1))
-        return x + self.down(F.gelu(self.up(self.norm2(x))))
+        return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Mlp(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(WIDTH, 2 * WIDTH), nn.Linear(WIDTH, 2 * WIDTH)
+        self.down_proj = nn.Linear(2 * WIDTH, WIDTH)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Block(nn.Module):
+    """Llama's module names, so the built-in tensor-parallel plan applies."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.input_layernorm, self.post_attention_layernorm = nn.LayerNorm(WIDTH), nn.LayerNorm(WIDTH)
+        self.self_attn, self.mlp = Attention(), Mlp()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class TinySdpaModel(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
-        self.blocks = nn.ModuleList(Block() for _ in range(2))
-        self.norm, self.head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
+        self.embed_tokens, self.wpe = nn.Embedding(VOCAB, WIDTH), nn.Embedding(SEQ, WIDTH)
+        self.layers = nn.ModuleList(Block() for _ in range(2))
+        self.norm, self.lm_head = nn.LayerNorm(WIDTH), nn.Linear(WIDTH, VOCAB)
 
     def forward(self, idx: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
-        x = self.wte(idx) + self.wpe(pos)
-        for block in self.blocks:
+        x = self.embed_tokens(idx) + self.wpe(pos)
+        for block in self.layers:
             x = block(x)
-        return self.head(self.norm(x))
+        return self.lm_head(self.norm(x))
 
 
 def make_model() -> TinySdpaModel:
@@ -63,11 +85,19 @@ def dataset() -> torch.Tensor:
     return torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(1))
 
 
-def loss_of(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+def loss_of(logits: torch.Tensor, targets: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction=reduction)
 
 
-def reference(dp_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
+def targets_of(rows: torch.Tensor, items: bool) -> torch.Tensor:
+    """Next tokens; with `items`, those below 4 are ignored (-100), so ranks count different numbers."""
+    targets = rows[:, 1:].clone()
+    if items:
+        targets[targets < 4] = -100
+    return targets
+
+
+def reference(dp_size: int, items: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
     """One process, the global batch (every data-parallel rank's rows) per step, whole sequences."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -76,7 +106,7 @@ def reference(dp_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     for step in range(STEPS):
         rows = data[step * PER_RANK_BATCH * dp_size : (step + 1) * PER_RANK_BATCH * dp_size]
         pos = torch.arange(SEQ).expand(rows.shape[0], SEQ)
-        loss = loss_of(model(rows[:, :-1], pos), rows[:, 1:])
+        loss = loss_of(model(rows[:, :-1], pos), targets_of(rows, items))  # mean over kept tokens
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
@@ -84,8 +114,10 @@ def reference(dp_size: int) -> tuple[dict[str, torch.Tensor], list[float]]:
     return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
 
 
-def run(layout: str) -> dict:
+def run(name: str) -> dict:
+    """Train under the layout `name` ("LAYOUT" or "LAYOUT+items": a summed loss with num_items)."""
     start = time.perf_counter()
+    layout, _, items = name.partition("+")
     accelerator = Accelerator(parallelism=layout)
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -95,20 +127,24 @@ def run(layout: str) -> dict:
     for step, rows in enumerate(loader):
         if step == STEPS:
             break
-        idx, targets = rows[:, :-1].clone(), rows[:, 1:].clone()
+        idx, targets = rows[:, :-1].clone(), targets_of(rows, bool(items))
         pos = torch.arange(SEQ).expand(rows.shape[0], SEQ).clone()
         result["batches"].append(rows[:, 0].tolist())
         with accelerator.maybe_context_parallel(buffers=[idx, targets, pos], buffer_seq_dims=[1, 1, 1]):
             local_shape = list(idx.shape)
-            loss = loss_of(model(idx, pos), targets)
-            accelerator.backward(loss)
+            if items:  # the sum over this rank's part of the sequences, and its own count
+                loss = loss_of(model(idx, pos), targets, "sum")
+                accelerator.backward(loss, num_items=(targets != -100).sum())
+            else:
+                loss = loss_of(model(idx, pos), targets)
+                accelerator.backward(loss)
         result["local_shape"] = local_shape
         result["restored_shape"] = list(idx.shape)  # the buffers are whole again after the block
         optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(accelerator.reduce(loss.detach(), "mean").item())
     state = accelerator.get_state_dict(model)
-    want, want_losses = reference(accelerator.parallelism.dp_size)
+    want, want_losses = reference(accelerator.parallelism.dp_size, bool(items))
     result["want_losses"] = want_losses
     if state:  # the full state (every rank asks; process 0 may be the only one holding it)
         result["keys_match"] = sorted(state) == sorted(want)

@@ -20,6 +20,9 @@ MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 DATA_PARALLEL_DIM = "dp"
 """The flattened dp_replicate x dp_shard dimension: ranks that read different batches."""
 
+DATA_CP_DIM = "dp_cp"
+"""The flattened data-parallel x cp dimension: every process whose gradients are averaged together."""
+
 SHARD_CP_DIM = "dp_shard_cp"
 """The flattened dp_shard x cp dimension FSDP2 shards over (torchtitan's name): context-parallel ranks
 hold different parts of the same sequences, so their gradients are averaged like data-parallel ones."""
@@ -55,7 +58,24 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
         mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
     if "dp_shard" in names and "cp" in names:
         mesh["dp_shard", "cp"]._flatten(SHARD_CP_DIM)  # private, as above
+    if "cp" in names and len(_data_and_cp_dims(names)) > 1:
+        mesh[_data_and_cp_dims(names)]._flatten(DATA_CP_DIM)
     return mesh
+
+
+def _data_and_cp_dims(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in ("dp_replicate", "dp_shard", "cp") if name in names)
+
+
+def loss_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D mesh of every process whose gradients are averaged together: the data-parallel ranks and,
+    with context parallelism, their cp peers (each holds its own part of the sequences); None when there
+    is no such dimension. What a loss normalised by a token count sums its counts over."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "cp" not in names:
+        return data_parallel_mesh(mesh)
+    dims = _data_and_cp_dims(names)
+    return mesh["cp"] if len(dims) == 1 else mesh[dims]._flatten(DATA_CP_DIM)
 
 
 def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
