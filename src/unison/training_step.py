@@ -97,8 +97,7 @@ class TrainingStepMethods:
         over the whole sequences (torch's context_parallel: parallel/context.py). Put the forward and
         the backward inside; the buffers are restored at exit, except those in `no_restore_buffers`.
         With cp_size 1 the block runs as it is, as in Accelerate."""
-        layout = self._layout_needed("maybe_context_parallel()")
-        if (layout.cp_size or 1) == 1:
+        if self.parallelism is None or (self.parallelism.cp_size or 1) == 1:  # ("auto" never picks cp)
             yield
             return
         from .parallel.context import context_parallel_block

@@ -143,6 +143,9 @@ def run(name: str) -> dict:
         optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(accelerator.reduce(loss.detach(), "mean").item())
+    # outside the block every cp rank holds the whole batch: a gather keeps one rank per cp group
+    result["gathered_rows"] = len(accelerator.gather(rows[:, 0]))
+    result["dp_size"] = accelerator.parallelism.dp_size
     state = accelerator.get_state_dict(model)
     want, want_losses = reference(accelerator.parallelism.dp_size, bool(items))
     result["want_losses"] = want_losses

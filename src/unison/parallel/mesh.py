@@ -21,7 +21,8 @@ DATA_PARALLEL_DIM = "dp"
 """The flattened dp_replicate x dp_shard dimension: ranks that read different batches."""
 
 DATA_CP_DIM = "dp_cp"
-"""The flattened data-parallel x cp dimension: every process whose gradients are averaged together."""
+"""The flattened dp_replicate x (dp_shard) x cp dimension: every process whose gradients are averaged
+together (without dp_replicate, that is SHARD_CP_DIM)."""
 
 SHARD_CP_DIM = "dp_shard_cp"
 """The flattened dp_shard x cp dimension FSDP2 shards over (torchtitan's name): context-parallel ranks
@@ -58,8 +59,9 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
         mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
     if "dp_shard" in names and "cp" in names:
         mesh["dp_shard", "cp"]._flatten(SHARD_CP_DIM)  # private, as above
-    if "cp" in names and len(_data_and_cp_dims(names)) > 1:
-        mesh[_data_and_cp_dims(names)]._flatten(DATA_CP_DIM)
+    if "dp_replicate" in names and "cp" in names:
+        dims = _data_and_cp_dims(names)
+        mesh[dims]._flatten(DATA_CP_DIM)  # private, as above
     return mesh
 
 
@@ -75,7 +77,9 @@ def loss_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     if "cp" not in names:
         return data_parallel_mesh(mesh)
     dims = _data_and_cp_dims(names)
-    return mesh["cp"] if len(dims) == 1 else mesh[dims]._flatten(DATA_CP_DIM)
+    if len(dims) == 1:
+        return mesh["cp"]
+    return mesh[dims]._flatten(DATA_CP_DIM if "dp_replicate" in dims else SHARD_CP_DIM)
 
 
 def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
