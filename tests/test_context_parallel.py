@@ -49,6 +49,8 @@ def _check(ranks: list[dict], layout: str, cp_ranks: list[int], same_batch: list
         assert run["local_shape"] == [2, 8] and run["restored_shape"] == [2, 16], (index, run)
         assert "divide by cp_size=2" in run["uneven_error"], (index, run)
         assert run["gathered_rows"] == 2 * run["dp_size"], (index, run)  # each batch row once
+        # clip_grad_norm_ sees the whole gradient (averaged over cp and dp), and the clipped steps match
+        assert run["norms"] == pytest.approx(run["want_norms"], rel=1e-5), (index, run)
     assert [run["cp_rank"] for run in runs] == cp_ranks
     for group in same_batch:  # context-parallel (and tensor-parallel) peers read one batch
         assert all(runs[rank]["batches"] == runs[group[0]]["batches"] for rank in group), (layout, group)

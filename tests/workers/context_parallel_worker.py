@@ -97,21 +97,22 @@ def targets_of(rows: torch.Tensor, items: bool) -> torch.Tensor:
     return targets
 
 
-def reference(dp_size: int, items: bool) -> tuple[dict[str, torch.Tensor], list[float]]:
+def reference(dp_size: int, items: bool) -> tuple[dict[str, torch.Tensor], list[float], list[float]]:
     """One process, the global batch (every data-parallel rank's rows) per step, whole sequences."""
     model = make_model()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     data = dataset()
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         rows = data[step * PER_RANK_BATCH * dp_size : (step + 1) * PER_RANK_BATCH * dp_size]
         pos = torch.arange(SEQ).expand(rows.shape[0], SEQ)
         loss = loss_of(model(rows[:, :-1], pos), targets_of(rows, items))  # mean over kept tokens
         loss.backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5).item())
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}, losses, norms
 
 
 def run(name: str) -> dict:
@@ -123,7 +124,7 @@ def run(name: str) -> dict:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loader = torch.utils.data.DataLoader(dataset(), batch_size=PER_RANK_BATCH)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    result: dict = {"cp_rank": accelerator.context_parallel_rank, "losses": [], "batches": []}
+    result: dict = {"cp_rank": accelerator.context_parallel_rank, "losses": [], "batches": [], "norms": []}
     for step, rows in enumerate(loader):
         if step == STEPS:
             break
@@ -140,6 +141,7 @@ def run(name: str) -> dict:
                 accelerator.backward(loss)
         result["local_shape"] = local_shape
         result["restored_shape"] = list(idx.shape)  # the buffers are whole again after the block
+        result["norms"].append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())  # it clips
         optimizer.step()
         optimizer.zero_grad()
         result["losses"].append(accelerator.reduce(loss.detach(), "mean").item())
@@ -147,8 +149,9 @@ def run(name: str) -> dict:
     result["gathered_rows"] = len(accelerator.gather(rows[:, 0]))
     result["dp_size"] = accelerator.parallelism.dp_size
     state = accelerator.get_state_dict(model)
-    want, want_losses = reference(accelerator.parallelism.dp_size, bool(items))
-    result["want_losses"] = want_losses
+    want, result["want_losses"], result["want_norms"] = reference(
+        accelerator.parallelism.dp_size, bool(items)
+    )
     if state:  # the full state (every rank asks; process 0 may be the only one holding it)
         result["keys_match"] = sorted(state) == sorted(want)
         result["max_abs_diff"] = max((state[k].float() - want[k]).abs().max().item() for k in want)
