@@ -1,8 +1,9 @@
 """Context parallelism (unison.parallel.context): cp_size alone and beside dp_shard, tp and dp_replicate,
 trained through prepare() and maybe_context_parallel, against one process with the whole sequences.
 
-Two launches of tests/workers/context_parallel_worker.py: 2 processes (cp=2) and 4 (dp_shard=2 x cp=2,
-tp=2 x cp=2, dp_replicate=2 x cp=2, one after the other). Refusals are tested in-process.
+Two launches of tests/workers/context_parallel_worker.py: 2 processes (cp=2, ZeRO-2 and -3 over cp) and
+4 (dp_shard=2 x cp=2, tp=2 x cp=2, dp_replicate=2 x cp=2, one after the other). Refusals are tested
+in-process.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from launching import WORKERS, launch_ok
 
 from unison import Accelerator
+from unison.parallel.apply import data_parallel_engine, fsdp_stage
 from unison.parallel.config import ParallelismConfig
 from unison.parallel.context import check_buffers
 
@@ -29,7 +31,7 @@ def _launch(tmp_path_factory, nproc: int, *layouts: str) -> dict:
 
 @pytest.fixture(scope="module")
 def report2(tmp_path_factory):
-    return _launch(tmp_path_factory, 2, "cp_size=2", "cp_size=2+items")
+    return _launch(tmp_path_factory, 2, "cp_size=2", "cp_size=2,zero_stage=3", "cp_size=2+items")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,9 @@ def _check(ranks: list[dict], layout: str, cp_ranks: list[int], same_batch: list
     assert len(groups) == len(same_batch), layout  # data-parallel ranks read different ones
 
 
-def test_context_parallel_alone_matches_one_process(report2):
-    _check(report2, "cp_size=2", cp_ranks=[0, 1], same_batch=[[0, 1]])
+@pytest.mark.parametrize("layout", ["cp_size=2", "cp_size=2,zero_stage=3"])  # FSDP2 over cp: ZeRO-2, -3
+def test_context_parallel_alone_matches_one_process(report2, layout):
+    _check(report2, layout, cp_ranks=[0, 1], same_batch=[[0, 1]])
 
 
 def test_context_parallel_normalises_a_summed_loss_by_the_tokens_of_every_part(report2):
@@ -92,6 +95,13 @@ def test_context_parallel_beside_other_dimensions_matches_one_process(report4, l
 def test_unsupported_combinations_are_refused_before_any_work(config, message):
     with pytest.raises(ValueError, match=message):
         config.validate(4)
+
+
+def test_zero_stage_3_shards_over_the_cp_ranks_alone():
+    config = ParallelismConfig(cp_size=2, zero_stage=3).validate(2)
+    assert (config.dp_shard_size, config.cp_size) == (1, 2)
+    assert (data_parallel_engine(config), fsdp_stage(config)) == ("fsdp", 3)
+    assert data_parallel_engine(ParallelismConfig(cp_size=2).validate(2)) == "fsdp"  # ZeRO-2 over cp
 
 
 def test_buffers_are_checked_before_sharding():

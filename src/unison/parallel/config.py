@@ -223,7 +223,7 @@ class ParallelismConfig:
                 f"but this layout is {self.describe()} on {self.total_size} processes: run the script with "
                 "plain `python` (no launcher), or use DDP ('ddp'), which is faster anyway."
             )
-        if self.zero_stage is not None and self.dp_shard_size == 1:
+        if self.zero_stage is not None and self.dp_shard_size == 1 and (self.cp_size or 1) == 1:
             raise ValueError(
                 f"zero_stage={self.zero_stage} shards over the dp_shard dimension, but dp_shard_size=1: "
                 "there is nothing to shard over. Give dp_shard_size >= 2 (or leave it None to fill the "
