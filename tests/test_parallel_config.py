@@ -56,7 +56,8 @@ def test_good_layouts_fill_the_world(config, world, expected):
         (ParallelismConfig(tp_size=0), 4, ["tp_size=0 is not a degree", "whole number >= 1"]),
         (ParallelismConfig(pp_size=True), 4, ["pp_size=True is not a degree"]),
         (ParallelismConfig(dp_shard_size=2.0), 2, ["dp_shard_size=2.0 is not a degree"]),
-        (ParallelismConfig(cp_size=2), 2, ["cp_size=2: context parallelism is not supported yet"]),
+        (ParallelismConfig(cp_size=2, pp_size=2), 4, ["cp_size=2 with pp_size=2", "not supported"]),
+        (ParallelismConfig(cp_size=2, zero_stage=1), 4, ["cp_size=2 with zero_stage=1", "zero_stage=2 or 3"]),
         (ParallelismConfig(zero_stage=4), 2, ["zero_stage=4 is not a ZeRO stage"]),
         (ParallelismConfig(pp_size=2, pp_schedule="zb"), 2, ["pp_schedule='zb' is unknown", "'interleaved'"]),
         (ParallelismConfig(pp_size=2, pp_microbatches=0), 2, ["pp_microbatches=0 is not a count"]),
@@ -166,6 +167,7 @@ def test_coerce_rejects_other_types():
         (ParallelismConfig(), 4, ("dp_replicate",), (4,)),
         (ParallelismConfig(tp_size=2, pp_size=2, zero_stage=1), 8, ("pp", "dp_shard", "tp"), (2, 2, 2)),
         (ParallelismConfig(dp_shard_size=2), 4, ("dp_replicate", "dp_shard"), (2, 2)),
+        (ParallelismConfig(cp_size=2, tp_size=2, dp_shard_size=2), 8, ("dp_shard", "cp", "tp"), (2, 2, 2)),
     ],
 )
 def test_mesh_layout_keeps_dims_above_one_in_torchtitan_order(config, world, names, shape):

@@ -135,3 +135,22 @@ def test_torch_dispatch_mode_sees_c10d_collectives():
     assert [argument.name for argument in schema.arguments][:2] == ["output_tensor", "input_tensor"]
     schema = torch.ops.c10d._reduce_scatter_base_.default._schema
     assert [argument.name for argument in schema.arguments][:2] == ["output_tensor", "input_tensor"]
+
+
+def test_context_parallel_load_balancing_switch():
+    """unison.parallel.context._load_balancing turns off torch's head-tail reordering of the sequence
+    through `_cp_options.enable_load_balance`, which `context_parallel` reads to pick its load balancer
+    (with it on, the math SDPA kernel's causal mask sees the reordered sequence: wrong outputs on CPU)."""
+    from torch.distributed.tensor.experimental._attention import _cp_options
+    from torch.distributed.tensor.experimental._context_parallel._load_balancer import (
+        _create_default_load_balancer,
+    )
+
+    before = _cp_options.enable_load_balance
+    try:
+        _cp_options.enable_load_balance = True
+        assert _create_default_load_balancer(8, 2, "cpu") is not None
+        _cp_options.enable_load_balance = False
+        assert _create_default_load_balancer(8, 2, "cpu") is None
+    finally:
+        _cp_options.enable_load_balance = before

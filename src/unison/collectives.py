@@ -68,16 +68,21 @@ class CollectiveMethods:
 
         Each data-parallel rank's value counts once: under tensor or pipeline parallelism its peers
         hold copies of it (the same batch, the same loss), which a reduction over every process would
-        count tp x pp times. "mean" divides by the number of data-parallel ranks.
+        count tp x pp times. "mean" divides by the number of data-parallel ranks. Context-parallel
+        ranks count one each: inside maybe_context_parallel each holds its own part of the sequences, so
+        the "mean" of their losses is the loss of the whole sequences.
         """
-        representatives = data_parallel_representatives(self.device_mesh)
+        representatives = data_parallel_representatives(self.device_mesh, peers=("pp", "tp"))
         if representatives is None:
             return ops.reduce(tensor, reduction=reduction, scale=scale)
         if reduction not in ops.REDUCTIONS:
             ops.reduce(tensor, reduction=reduction)  # raises the same error, naming the choices
-        return ops.recursively_apply(
-            lambda value: _reduce_rows(self.gather(value.detach()[None]), reduction, scale), tensor
-        )
+
+        def reduce_one(value: torch.Tensor) -> torch.Tensor:
+            rows = _rows_of(ops.gather(value.detach()[None]), representatives, self.num_processes)
+            return _reduce_rows(rows, reduction, scale)
+
+        return ops.recursively_apply(reduce_one, tensor)
 
     def broadcast(self, tensor: Any, from_process: int = 0) -> Any:
         return ops.broadcast(tensor, from_process=from_process)

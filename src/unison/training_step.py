@@ -25,7 +25,7 @@ from .parallel.apply import data_parallel_engine
 from .parallel.clipping import clip_grad_norm
 from .parallel.ddp import check_every_parameter_got_a_gradient, skip_gradient_sync, trigger_sync_in_backward
 from .parallel.engines import is_dtensor
-from .parallel.mesh import data_parallel_mesh
+from .parallel.mesh import loss_mesh
 from .parallel.pipeline import PipelineModel
 
 logger = logging.getLogger("unison")
@@ -101,10 +101,19 @@ class TrainingStepMethods:
         buffer_seq_dims: list[int] | None = None,
         no_restore_buffers: set[torch.Tensor] | None = None,
     ) -> Iterator[None]:
-        """Accelerate's context for context parallelism, which shards `buffers` along their sequence
-        dimension when cp_size > 1. unison has no context-parallel dimension (cp_size must be 1), where
-        Accelerate's does nothing too: each process keeps whole sequences, and the block runs as it is."""
-        yield
+        """Accelerate's context for context parallelism: with cp_size > 1, `buffers` (the batch tensors
+        with a sequence dimension: inputs, labels, positions) are sharded in place along
+        `buffer_seq_dims` over the cp ranks, and every scaled_dot_product_attention in the block attends
+        over the whole sequences (torch's context_parallel: parallel/context.py). Put the forward and
+        the backward inside; the buffers are restored at exit, except those in `no_restore_buffers`.
+        With cp_size 1 the block runs as it is, as in Accelerate."""
+        if self.parallelism is None or (self.parallelism.cp_size or 1) == 1:  # ("auto" never picks cp)
+            yield
+            return
+        from .parallel.context import context_parallel_block
+
+        with context_parallel_block(self.device_mesh, buffers, buffer_seq_dims, no_restore_buffers):
+            yield
 
     def backward(
         self, loss: torch.Tensor, num_items: int | float | torch.Tensor | None = None, **kwargs
@@ -242,11 +251,12 @@ class TrainingStepMethods:
         """Turn the window's summed gradients into the gradient of the mean over all its items.
 
         Every prepared model with gradients is data-parallel wrapped (DDP or FSDP2) over the N
-        data-parallel processes, so after this backward each gradient is the average of their local
+        data-parallel processes (and their context-parallel peers, which count their own parts), so
+        after this backward each gradient is the average of their local
         sums: N / global count makes it the global sum over the global count (with fp16 the loss scale
         stays in until unscaling). Tensor/pipeline ranks of one replica count the same items once.
         """
-        dp_mesh = data_parallel_mesh(self.device_mesh)
+        dp_mesh = loss_mesh(self.device_mesh)  # with cp, the cp peers too: each counted its own part
         factor = self._item_count.gradient_factor(
             dp_mesh.size() if dp_mesh is not None else 1,
             self.device,

@@ -28,7 +28,7 @@ from torch.utils._pytree import tree_map
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
 from .engines import is_dtensor
-from .mesh import data_parallel_mesh
+from .mesh import data_parallel_mesh, gradient_mesh
 from .pipeline import build_pipeline, split_model
 
 if TYPE_CHECKING:
@@ -46,6 +46,8 @@ def data_parallel_engine(config: ParallelismConfig) -> str:
     """
     if config.legacy_data_parallel:
         return "dataparallel"
+    if (config.cp_size or 1) > 1:
+        return "fsdp"  # context-parallel ranks average gradients too; FSDP2 over dp_shard x cp (torchtitan)
     if config.dp_size == 1:
         return "none"
     if config.zero_stage in (2, 3) or (config.tp_size or 1) > 1 or (config.pp_size or 1) > 1:
@@ -148,7 +150,7 @@ def _parallelize_part(
     return apply_zero(
         model,
         fsdp_stage(config),
-        mesh=_fsdp_mesh(mesh),
+        mesh=gradient_mesh(mesh),
         blocks=config.zero_blocks,
         mixed_precision_policy=sharded_mixed_precision(param_dtype),
         offload_policy=host_offload(device) if config.offload else None,
@@ -190,12 +192,6 @@ def _dp_group(mesh: DeviceMesh | None):
     """The process group of all data-parallel ranks (None: the default group, when there is no mesh)."""
     dp_mesh = data_parallel_mesh(mesh)
     return dp_mesh.get_group() if dp_mesh is not None and dp_mesh.ndim == 1 else None
-
-
-def _fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards over: dp_shard, or (dp_replicate, dp_shard) for HSDP, or dp_replicate alone."""
-    names = [name for name in ("dp_replicate", "dp_shard") if name in mesh.mesh_dim_names]
-    return mesh[tuple(names)] if len(names) == 2 else mesh[names[0]]
 
 
 def replaced_parameters(before: dict[str, nn.Parameter], model: nn.Module) -> dict[int, nn.Parameter | None]:

@@ -3,7 +3,8 @@
 One config describes every strategy of the multi-GPU guide as degrees of named dimensions, in
 torchtitan's order: pipeline (`pp`), data-parallel replicas (`dp_replicate`: DDP alone, FSDP2 beside
 tensor or pipeline parallelism), data-parallel
-shards (`dp_shard`, ZeRO 1/2/3) and tensor parallel (`tp`). Field names follow Hugging Face
+shards (`dp_shard`, ZeRO 1/2/3), context parallel (`cp`: each sequence split over the ranks) and tensor
+parallel (`tp`). Field names follow Hugging Face
 Accelerate's `ParallelismConfig` where it has them (`dp_replicate_size`, `dp_shard_size`, `tp_size`,
 `cp_size`), so configs migrate unchanged.
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 DEGREE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
-"""The degrees, in mesh order (cp last: not supported yet)."""
+"""The degrees (the mesh puts cp before tp: parallel/mesh.py; cp stays last here, as messages name it)."""
 
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved")
 ZERO_STAGES = (1, 2, 3)
@@ -160,11 +161,6 @@ class ParallelismConfig:
                     f"{name}={value!r} is not a degree: each degree is a whole number >= 1 (1: the dimension "
                     f"is not used), or None to let it be filled in. Pass e.g. {name}=2."
                 )
-        if self.cp_size not in (None, 1):
-            raise ValueError(
-                f"cp_size={self.cp_size}: context parallelism is not supported yet. Leave cp_size at 1 and "
-                "split the sequence work with tp_size (and sequence parallel) or dp instead."
-            )
         self._check_options()
         resolved = self._fill(world_size)
         resolved._check_product(world_size)
@@ -237,7 +233,7 @@ class ParallelismConfig:
                 f"but this layout is {self.describe()} on {self.total_size} processes: run the script with "
                 "plain `python` (no launcher), or use DDP ('ddp'), which is faster anyway."
             )
-        if self.zero_stage is not None and self.dp_shard_size == 1:
+        if self.zero_stage is not None and self.dp_shard_size == 1 and (self.cp_size or 1) == 1:
             raise ValueError(
                 f"zero_stage={self.zero_stage} shards over the dp_shard dimension, but dp_shard_size=1: "
                 "there is nothing to shard over. Give dp_shard_size >= 2 (or leave it None to fill the "
@@ -282,6 +278,10 @@ class ParallelismConfig:
                 "offload works with zero_stage 2 or 3 over dp_shard, without tp_size or pp_size (not yet "
                 "supported with them). Use e.g. 'zero3,offload=true', or drop offload."
             )
+        if (self.cp_size or 1) > 1:
+            from .context import check_context_parallel_layout
+
+            check_context_parallel_layout(self)
 
     def _check_stage_count(self, stages: int) -> None:
         if self.pp_schedule == "interleaved":

@@ -7,16 +7,26 @@ the engine notes), so the mesh is built once and its sub-meshes are handed out b
 
 from __future__ import annotations
 
+import warnings
+
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import ParallelismConfig
 
-MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Outermost first: pipeline stages talk least (across nodes), tensor parallel most (inside a node)."""
 
 DATA_PARALLEL_DIM = "dp"
 """The flattened dp_replicate x dp_shard dimension: ranks that read different batches."""
+
+DATA_CP_DIM = "dp_cp"
+"""The flattened dp_replicate x (dp_shard) x cp dimension: every process whose gradients are averaged
+together (without dp_replicate, that is SHARD_CP_DIM)."""
+
+SHARD_CP_DIM = "dp_shard_cp"
+"""The flattened dp_shard x cp dimension FSDP2 shards over (torchtitan's name): context-parallel ranks
+hold different parts of the same sequences, so their gradients are averaged like data-parallel ones."""
 
 
 def mesh_layout(config: ParallelismConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
@@ -25,6 +35,7 @@ def mesh_layout(config: ParallelismConfig) -> tuple[tuple[str, ...], tuple[int, 
         "pp": config.pp_size,
         "dp_replicate": config.dp_replicate_size,
         "dp_shard": config.dp_shard_size,
+        "cp": config.cp_size,
         "tp": config.tp_size,
     }
     kept = [(name, sizes[name]) for name in MESH_DIM_ORDER if (sizes[name] or 1) > 1]
@@ -46,7 +57,45 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
     if "dp_replicate" in names and "dp_shard" in names:
         # private, the one way to name a flattened dimension (tests/test_torch_private_apis.py)
         mesh["dp_replicate", "dp_shard"]._flatten(DATA_PARALLEL_DIM)
+    if "dp_shard" in names and "cp" in names:
+        mesh["dp_shard", "cp"]._flatten(SHARD_CP_DIM)  # private, as above
+    if "dp_replicate" in names and "cp" in names:
+        dims = _data_and_cp_dims(names)
+        mesh[dims]._flatten(DATA_CP_DIM)  # private, as above
     return mesh
+
+
+def _data_and_cp_dims(names: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(name for name in ("dp_replicate", "dp_shard", "cp") if name in names)
+
+
+def loss_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The 1-D mesh of every process whose gradients are averaged together: the data-parallel ranks and,
+    with context parallelism, their cp peers (each holds its own part of the sequences); None when there
+    is no such dimension. What a loss normalised by a token count sums its counts over."""
+    names = (mesh.mesh_dim_names or ()) if mesh is not None else ()
+    if "cp" not in names:
+        return data_parallel_mesh(mesh)
+    dims = _data_and_cp_dims(names)
+    if len(dims) == 1:
+        return mesh["cp"]
+    return mesh[dims]._flatten(DATA_CP_DIM if "dp_replicate" in dims else SHARD_CP_DIM)
+
+
+def gradient_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards over: dp_shard (with cp folded in: dp_shard_cp, or cp alone), or
+    dp_replicate alone; (dp_replicate, that) for HSDP. `mesh` has a data-parallel or cp dimension."""
+    names = mesh.mesh_dim_names or ()
+    shard = [name for name in ("dp_shard", "cp") if name in names]
+    if "dp_replicate" not in names:
+        return mesh[shard[0]] if len(shard) == 1 else mesh["dp_shard", "cp"]._flatten(SHARD_CP_DIM)
+    if not shard:
+        return mesh["dp_replicate"]
+    if len(shard) == 1:
+        return mesh["dp_replicate", shard[0]]
+    with warnings.catch_warnings():  # torch warns that slicing a flattened dim will change; no other way
+        warnings.simplefilter("ignore", UserWarning)
+        return mesh["dp_replicate", SHARD_CP_DIM]
 
 
 def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -65,15 +114,18 @@ def data_parallel_mesh(mesh: DeviceMesh | None) -> DeviceMesh | None:
     return None
 
 
-def data_parallel_representatives(mesh: DeviceMesh | None) -> list[int] | None:
-    """One global rank per data-parallel rank, in data-parallel order: the first of its tensor-parallel
-    group and pipeline (which all read the same batch). None when every process is its own dp rank.
+def data_parallel_representatives(
+    mesh: DeviceMesh | None, peers: tuple[str, ...] = ("pp", "cp", "tp")
+) -> list[int] | None:
+    """One global rank per data-parallel rank, in data-parallel order: the first of its tensor-parallel,
+    context-parallel group and pipeline (which all read the same batch; `peers` names the dims to fold).
+    None when every process is its own dp rank.
 
     What a gather over all processes keeps to count each sample once.
     """
     if mesh is None or mesh.mesh_dim_names is None:
         return None
-    extra = [i for i, name in enumerate(mesh.mesh_dim_names) if name in ("pp", "tp")]
+    extra = [i for i, name in enumerate(mesh.mesh_dim_names) if name in peers]
     if not extra:
         return None
     ranks = mesh.mesh

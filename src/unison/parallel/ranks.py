@@ -58,9 +58,8 @@ class LayoutProperties:
 
     @property
     def context_parallel_rank(self) -> int:
-        """Always 0: unison has no context-parallel dimension (cp_size must be 1)."""
-        self._layout_needed("context_parallel_rank")
-        return 0
+        """This process's coordinate in its context-parallel group (cp); 0 without cp."""
+        return self._coordinate("cp")
 
     def _coordinate(self, dimension: str) -> int:
         self._layout_needed(f"{dimension} rank")
