@@ -104,6 +104,7 @@ class ModelShape:
     hidden: int | None = None
     vocab: int | None = None
     largest_unit: int | None = None  # parameters FSDP2 gathers at once (see zero_gathered_unit_bytes)
+    block_linear_outputs: int | None = None  # one block's Linear output widths summed (selective AC keeps)
 
 
 @dataclass(frozen=True)
@@ -235,7 +236,8 @@ def inspect_model(model: nn.Module) -> ModelShape:
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
     if not has_attention or not linears:
         return ModelShape(total, trainable, blocks=name, vocab=vocab, largest_unit=unit)
-    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab, unit)
+    outputs = sum(m.out_features for m in linears)
+    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab, unit, outputs)
 
 
 def model_state_bytes(
