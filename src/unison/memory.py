@@ -310,8 +310,15 @@ def estimate(
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     attention_heads: int | None = None,
+    activation_checkpointing: str | None = None,
 ) -> MemoryEstimate:
-    """Bytes per device for every precision in PRECISIONS and strategy in STRATEGIES at `devices`."""
+    """Bytes per device for every precision in PRECISIONS and strategy in STRATEGIES at `devices`.
+
+    `activation_checkpointing` is a mode of parallel.checkpointing ("full", "selective:op",
+    "selective:K", canonical as normalize_mode returns it) or None; its activations come from
+    unison.activation_memory."""
+    from unison.activation_memory import estimate_activation_bytes  # it builds on this module
+
     if devices < 1:
         raise ValueError(f"devices={devices}: need at least one device.")
     if (micro_batch_size is None) != (seq_len is None):
@@ -336,7 +343,12 @@ def estimate(
     elif with_activations:
         notes.append(
             f"activations: Korthikanti et al. 2022, {shape.layers} blocks ({shape.blocks}), hidden "
-            f"{shape.hidden}, no recomputation, "
+            f"{shape.hidden}, "
+            + (
+                f"activation checkpointing {activation_checkpointing} (docs/memory-estimator.md), "
+                if activation_checkpointing
+                else "no recomputation, "
+            )
             + (f"attention scores stored ({attention_heads} heads)" if attention_heads else "fused attention")
             + (f", fp32 logits over vocabulary {shape.vocab}" if shape.vocab else "")
             + "; PP assumes 1F1B."
@@ -355,11 +367,12 @@ def estimate(
             p += autocast_copy_bytes(precision, math.ceil(shape.trainable_parameters / split))
             activations = None
             if with_activations:
-                activations = activation_bytes(
+                activations = estimate_activation_bytes(
                     shape,
                     micro_batch_size,
                     seq_len,
                     precision.activation_bytes,
+                    activation_checkpointing,
                     tensor_parallel=devices if strategy == "tp" else 1,
                     attention_heads=attention_heads,
                 )
