@@ -202,6 +202,7 @@ def test_llama_3_1_405b_on_512_h100_is_tp8_inside_nodes_pp_across_fsdp_over_the_
     assert config.tp_size == 8 and config.pp_size in (8, 16, 32)
     assert config.dp_shard_size == 512 // (8 * config.pp_size) and config.zero_stage == 1
     assert (config.pp_size, config.dp_shard_size) == (32, 2)
+    assert config.activation_checkpointing == "full"  # priced with recomputation, so prepare() turns it on
     assert config.pp_microbatches >= 4 * config.pp_size and config.pp_schedule == "1f1b"
     assert any("PP across nodes" in line for line in result.reasons)
     # the heaviest stage: 4 of 126 blocks plus the embedding, split 8 ways by TP; one block's bf16 casts
