@@ -140,6 +140,22 @@ def test_estimate_memory_follows_the_mode():
     assert activation_parts(shape, 2, 64, 4, "selective:9")[1] == 0  # no block checkpointed: none rebuilt
 
 
+def test_checkpointed_blocks_keep_no_autocast_copies():
+    from unison.memory import estimate
+
+    shape = inspect_model(_tiny())
+    rows = {
+        mode: next(
+            r for r in estimate(shape, 1, activation_checkpointing=mode).rows if r.precision == "bf16-mixed"
+        )
+        for mode in (None, "full", "selective:2")
+    }
+    trainable = shape.trainable_parameters
+    assert rows[None].parameters - rows["full"].parameters == 2 * 3 * shape.block_parameters  # 3 of 4 blocks
+    assert rows[None].parameters - rows["selective:2"].parameters == 2 * 1 * shape.block_parameters
+    assert rows["full"].parameters == 4 * trainable + 2 * (trainable - 3 * shape.block_parameters)
+
+
 def test_estimate_memory_command_takes_the_mode(capsys):
     from unison.commands.main import main
 

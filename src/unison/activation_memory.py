@@ -98,6 +98,23 @@ def activation_parts(
     return math.ceil(kept), block if checkpointed else 0
 
 
+def cast_parameters(shape: memory.ModelShape, mode: str | None, computed: int, split: int = 1) -> int:
+    """Of the `computed` trainable parameters a device computes with (its share: Ψ/`split` under TP and
+    PP), those whose autocast bf16 copies stay saved from forward to backward under checkpointing `mode`.
+
+    A checkpointed block's casts happen inside it, so they are not kept but made again when it is
+    recomputed: full and op-level selective keep none of the blocks' (casts are cheap ops, recomputed),
+    selective:K those of the blocks it does not checkpoint; one recomputed block's exist at a time.
+    """
+    if mode is None or not shape.block_parameters or not shape.layers:
+        return computed
+    dropped = shape.layers if mode == SELECTIVE_OP else checkpointed_block_count(mode, shape.layers)
+    block = math.ceil(shape.block_parameters / split)
+    if not dropped:
+        return computed
+    return min(computed, max(computed - dropped * block, 0) + block)
+
+
 def measure_saved_activations(
     model: nn.Module, forward: Callable[[], Any], selective_blocks: Sequence[nn.Module] = ()
 ) -> tuple[int, Any]:

@@ -105,6 +105,7 @@ class ModelShape:
     vocab: int | None = None
     largest_unit: int | None = None  # parameters FSDP2 gathers at once (see zero_gathered_unit_bytes)
     block_linear_outputs: int | None = None  # one block's Linear output widths summed (selective AC keeps)
+    block_parameters: int | None = None  # of one block (the casts activation checkpointing does not keep)
 
 
 @dataclass(frozen=True)
@@ -237,7 +238,8 @@ def inspect_model(model: nn.Module) -> ModelShape:
     if not has_attention or not linears:
         return ModelShape(total, trainable, blocks=name, vocab=vocab, largest_unit=unit)
     outputs = sum(m.out_features for m in linears)
-    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab, unit, outputs)
+    hidden = linears[0].in_features
+    return ModelShape(total, trainable, name, len(blocks), hidden, vocab, unit, outputs, block_parameters)
 
 
 def model_state_bytes(
@@ -317,7 +319,7 @@ def estimate(
     `activation_checkpointing` is a mode of parallel.checkpointing ("full", "selective:op",
     "selective:K", canonical as normalize_mode returns it) or None; its activations come from
     unison.activation_memory."""
-    from unison.activation_memory import estimate_activation_bytes  # it builds on this module
+    from unison.activation_memory import cast_parameters, estimate_activation_bytes  # builds on this module
 
     if devices < 1:
         raise ValueError(f"devices={devices}: need at least one device.")
@@ -364,7 +366,10 @@ def estimate(
                 extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
                 p, g = p + extra_p, g + extra_g
             split = devices if strategy in ("tp", "pp") else 1
-            p += autocast_copy_bytes(precision, math.ceil(shape.trainable_parameters / split))
+            computed = math.ceil(shape.trainable_parameters / split)
+            p += autocast_copy_bytes(
+                precision, cast_parameters(shape, activation_checkpointing, computed, split)
+            )
             activations = None
             if with_activations:
                 activations = estimate_activation_bytes(
