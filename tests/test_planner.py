@@ -150,7 +150,10 @@ def test_memory_of_a_layout_is_hand_computed_zero_arithmetic():
     assert 0.70 < need.fraction < 0.75  # so the 8B without recomputation is ZeRO-3 alone (next test)
     recomputed = layout_memory(f, 80 * GiB, LLAMA_8B_RECOMPUTED, zero3)
     assert recomputed.parameters == need.parameters  # no autocast casts to recompute: FSDP2 gathers bf16
-    assert recomputed.activations == 34 * 8192 * 4096 + 4 * 8192 * 128256 + 2 * 8192 * 4096 * 32
+    # one block rebuilt + fp32 logits + each block's bf16 input + the final norm's and output layer's inputs
+    assert recomputed.activations == (
+        34 * 8192 * 4096 + 4 * 8192 * 128256 + 2 * 8192 * 4096 * 32 + 2 * 2 * 8192 * 4096
+    )
     fp32 = layout_memory(f, 80 * GiB, Workload("fp32", 1, 8192), zero3)
     assert fp32.parameters == 4 * math.ceil(n / 8) + 4 * unit  # gathered in fp32
     tp2 = layout_memory(
@@ -204,6 +207,7 @@ def test_llama_3_1_405b_on_512_h100_is_tp8_inside_nodes_pp_across_fsdp_over_the_
     assert config.tp_size == 8 and config.pp_size in (8, 16, 32)
     assert config.dp_shard_size == 512 // (8 * config.pp_size) and config.zero_stage == 1
     assert (config.pp_size, config.dp_shard_size) == (32, 2)
+    assert config.activation_checkpointing == "full"  # priced with recomputation, so prepare() turns it on
     assert config.pp_microbatches >= 4 * config.pp_size and config.pp_schedule == "1f1b"
     assert any("PP across nodes" in line for line in result.reasons)
     # the heaviest stage: 4 of 126 blocks plus the embedding, split 8 ways by TP; one block's bf16 casts

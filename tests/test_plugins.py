@@ -82,11 +82,15 @@ def test_fsdp_mixed_precision_policy_sets_the_accelerators_precision(policy, pre
     assert fsdp(mixed_precision_policy=policy)[1] == precision
 
 
+def test_fsdp_activation_checkpointing_is_full_checkpointing_of_the_blocks():
+    assert fsdp(activation_checkpointing=True)[0].activation_checkpointing == "full"
+    assert fsdp(activation_checkpointing=False)[0].activation_checkpointing is None
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [
         ({"cpu_offload": True}, "FullyShardedDataParallelPlugin(cpu_offload=True): unison does not support"),
-        ({"activation_checkpointing": True}, "(activation_checkpointing=True)"),
         ({"cpu_ram_efficient_loading": True}, "(cpu_ram_efficient_loading=True)"),
         ({"param_init_fn": print}, "(param_init_fn=<built-in function print>)"),
         ({"ignored_modules": ["head"]}, "(ignored_modules=['head'])"),

@@ -154,3 +154,38 @@ def test_context_parallel_load_balancing_switch():
         assert _create_default_load_balancer(8, 2, "cpu") is None
     finally:
         _cp_options.enable_load_balance = before
+
+
+def test_composable_checkpoint_keeps_names_and_takes_a_selective_context():
+    """unison.parallel.checkpointing applies `torch.distributed._composable.checkpoint(block, context_fn=...)`
+    (forward hooks on the block: parameter names unchanged), and its op-level save list names
+    `torch.ops._c10d_functional.reduce_scatter_tensor`."""
+    from torch.distributed._composable import checkpoint
+    from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Tanh(), torch.nn.Linear(2, 2))
+    names = [name for name, _ in model.named_parameters()]
+    checkpoint(model[0])
+    contexts = lambda: create_selective_checkpoint_contexts([torch.ops.aten.addmm.default])  # noqa: E731
+    checkpoint(model[2], context_fn=contexts)
+    assert [name for name, _ in model.named_parameters()] == names
+    model(torch.ones(3, 2, requires_grad=True)).sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    assert torch.ops._c10d_functional.reduce_scatter_tensor.default is not None
+
+
+def test_torch_dispatch_mode_base_class():
+    """unison.activation_memory counts the outputs selective checkpointing caches with a
+    `torch.utils._python_dispatch.TorchDispatchMode` subclass."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(func)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        torch.ones(2) @ torch.ones(2)
+    assert torch.ops.aten.dot.default in seen

@@ -54,6 +54,7 @@ from .parallel.apply import (
     switch_optimizer_parameters,
 )
 from .parallel.auto import plan_for_this_job
+from .parallel.checkpointing import normalize_mode, resolve_mode
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
@@ -117,6 +118,7 @@ class Accelerator(
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         deepspeed_plugins: Any = None,
         convert_outputs_to_fp32: bool | None = None,
+        activation_checkpointing: str | bool | None = None,
     ):
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
@@ -183,6 +185,8 @@ class Accelerator(
             self.project_configuration.set_directories(project_dir)
         if parallelism is None:
             parallelism = launch_env.env_str(launch_env.PARALLELISM, "ddp")
+        normalize_mode(activation_checkpointing)  # a bad mode fails here, on every rank, before any work
+        self._activation_checkpointing = activation_checkpointing  # see _set_layout
         self.plan: Plan | None = None  # the planner's verdict, when parallelism="auto"
         self.parallelism: ParallelismConfig | None = None
         self.device_mesh: DeviceMesh | None = None
@@ -203,6 +207,8 @@ class Accelerator(
     def _set_layout(self, config: ParallelismConfig) -> None:
         if config.legacy_data_parallel:
             check_data_parallel_devices(torch.cuda.device_count() if self.device.type == "cuda" else 0)
+        exported = launch_env.env_str(launch_env.ACTIVATION_CHECKPOINTING, "none")
+        config = resolve_mode(config, self._activation_checkpointing, exported).validate(config.total_size)
         self.parallelism = config
         self.device_mesh = build_device_mesh(config, self.device.type)
 

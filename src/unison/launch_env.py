@@ -13,6 +13,7 @@ configured without touching the script.
 | UNISON_TIMEOUT                       | timeout (seconds)             | number > 0        |
 | UNISON_PARALLELISM                   | parallelism                   | ddp, zeroK, k=v   |
 | UNISON_PLUGIN                        | fsdp_plugin / deepspeed_plugin | {"fsdp": {...}}  |
+| UNISON_ACTIVATION_CHECKPOINTING      | activation_checkpointing      | full, selective[:K] |
 | UNISON_DEBUG                         | (none: `unison launch --debug`) | 1/true or 0/false |
 """
 
@@ -25,11 +26,22 @@ GRADIENT_ACCUMULATION_STEPS = "UNISON_GRADIENT_ACCUMULATION_STEPS"
 CPU = "UNISON_CPU"
 TIMEOUT = "UNISON_TIMEOUT"
 PARALLELISM = "UNISON_PARALLELISM"
+ACTIVATION_CHECKPOINTING = "UNISON_ACTIVATION_CHECKPOINTING"  # parallel/checkpointing.py's modes
 PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}, from Accelerate's flags
 DEBUG = "UNISON_DEBUG"  # check every collective's operation and shapes across ranks (state.debug_mode)
 LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
 
-ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM, PLUGIN, DEBUG, LAUNCHER_PID)
+ALL = (
+    MIXED_PRECISION,
+    GRADIENT_ACCUMULATION_STEPS,
+    CPU,
+    TIMEOUT,
+    PARALLELISM,
+    ACTIVATION_CHECKPOINTING,
+    PLUGIN,
+    DEBUG,
+    LAUNCHER_PID,
+)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

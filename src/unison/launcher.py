@@ -41,6 +41,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from . import launch_env, network, rendezvous
 from .launch_report import quiet_agent_shutdown, report_failure
+from .parallel.checkpointing import normalize_mode
 from .parallel.config import ParallelismConfig, is_auto
 from .plugins import layout_of, read_plugin
 from .state import validate_mixed_precision
@@ -93,6 +94,7 @@ class LaunchOptions:
     timeout: float | None = None
     debug: bool = False  # --debug: check every collective across ranks (launch_env.DEBUG)
     parallelism: str | None = None
+    activation_checkpointing: str | None = None  # launch_env.ACTIVATION_CHECKPOINTING
     plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
 
 
@@ -177,6 +179,11 @@ def validate(options: LaunchOptions) -> int:
         _validate_parallelism(options.parallelism, nproc_per_node, min_nodes, max_nodes)
     if options.plugin is not None:
         _validate_plugin(options.plugin, nproc_per_node, min_nodes, max_nodes)
+    if options.activation_checkpointing is not None:
+        try:  # a wrong mode fails here, not in N workers
+            normalize_mode(options.activation_checkpointing, "--activation-checkpointing")
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
     return nproc_per_node
 
 
@@ -334,6 +341,7 @@ def worker_environment(
     gradient_accumulation_steps: int | None = None,
     timeout: float | None = None,
     parallelism: str | None = None,
+    activation_checkpointing: str | None = None,
     plugin: str | None = None,
     rendezvous_host: str | None = None,
     local_addr: str | None = None,
@@ -357,6 +365,8 @@ def worker_environment(
         if not is_auto(parallelism):
             ParallelismConfig.from_string(parallelism)  # a wrong string fails here, not in N workers
         env[launch_env.PARALLELISM] = parallelism.strip()
+    if activation_checkpointing is not None:
+        env[launch_env.ACTIVATION_CHECKPOINTING] = activation_checkpointing.strip()
     if plugin is not None:
         env[launch_env.PLUGIN] = plugin
     if rendezvous_host is not None:
@@ -519,6 +529,7 @@ def launch(options: LaunchOptions) -> int:
             gradient_accumulation_steps=options.gradient_accumulation_steps,
             timeout=options.timeout,
             parallelism=options.parallelism,
+            activation_checkpointing=options.activation_checkpointing,
             plugin=options.plugin,
             rendezvous_host=rendezvous_endpoint(options)[0],
             local_addr=options.local_addr,

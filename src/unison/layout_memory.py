@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from unison import memory
+from unison.activation_memory import estimate_activation_bytes
+from unison.parallel.checkpointing import FULL
 from unison.parallel.config import ParallelismConfig
 
 if TYPE_CHECKING:  # the planner's types; the planner imports this module
@@ -85,17 +87,17 @@ def layout_memory(
 
 
 def activations(facts: ModelFacts, workload: Workload, tp: int) -> int | None:
-    """memory.activation_bytes; with checkpointing, each block's stored input plus one recomputed block.
+    """activation_memory.estimate_activation_bytes, with full checkpointing when the workload says so.
 
     Full recomputation keeps s·b·h·e bytes per block (Korthikanti et al. 2022 §5: 2sbhL in 16-bit), not
-    split by TP without sequence parallelism; one block's full activations exist again during backward.
-    With 1F1B the first stage holds p micro-batches of L/p blocks: the same total (memory.py docstring).
+    split by TP without sequence parallelism; one block's full activations exist again during backward
+    (the same formula `unison estimate-memory --activation-checkpointing full` prints, measured against
+    torch's saved tensors in tests/test_activation_checkpointing.py). With 1F1B the first stage holds p
+    micro-batches of L/p blocks: the same total (memory.py docstring).
     """
     shape = facts.shape
     if workload.micro_batch_size is None or shape.layers is None:
         return None
     b, s, e = workload.micro_batch_size, workload.seq_len, workload.bytes.activation_bytes
-    if not workload.activation_checkpointing:
-        return memory.activation_bytes(shape, b, s, e, tensor_parallel=tp)
-    one_block = memory.activation_bytes(dataclasses.replace(shape, layers=1), b, s, e, tensor_parallel=tp)
-    return one_block + e * s * b * shape.hidden * shape.layers
+    mode = FULL if workload.activation_checkpointing else None
+    return estimate_activation_bytes(shape, b, s, e, mode, tensor_parallel=tp)

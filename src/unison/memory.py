@@ -110,6 +110,8 @@ class ModelShape:
     hidden: int | None = None
     vocab: int | None = None
     largest_unit: int | None = None  # parameters FSDP2 gathers at once (see zero_gathered_unit_bytes)
+    block_linear_outputs: int | None = None  # one block's Linear output widths summed (selective AC keeps)
+    block_parameters: int | None = None  # of one block (the casts activation checkpointing does not keep)
 
 
 @dataclass(frozen=True)
@@ -241,7 +243,9 @@ def inspect_model(model: nn.Module) -> ModelShape:
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
     if not has_attention or not linears:
         return ModelShape(total, trainable, blocks=name, vocab=vocab, largest_unit=unit)
-    return ModelShape(total, trainable, name, len(blocks), linears[0].in_features, vocab, unit)
+    outputs = sum(m.out_features for m in linears)
+    hidden = linears[0].in_features
+    return ModelShape(total, trainable, name, len(blocks), hidden, vocab, unit, outputs, block_parameters)
 
 
 def model_state_bytes(
@@ -330,8 +334,15 @@ def estimate(
     micro_batch_size: int | None = None,
     seq_len: int | None = None,
     attention_heads: int | None = None,
+    activation_checkpointing: str | None = None,
 ) -> MemoryEstimate:
-    """Bytes per device for every precision in PRECISIONS and strategy in STRATEGIES at `devices`."""
+    """Bytes per device for every precision in PRECISIONS and strategy in STRATEGIES at `devices`.
+
+    `activation_checkpointing` is a mode of parallel.checkpointing ("full", "selective:op",
+    "selective:K", canonical as normalize_mode returns it) or None; its activations come from
+    unison.activation_memory."""
+    from unison.activation_memory import cast_parameters, estimate_activation_bytes  # builds on this module
+
     if devices < 1:
         raise ValueError(f"devices={devices}: need at least one device.")
     if (micro_batch_size is None) != (seq_len is None):
@@ -362,7 +373,12 @@ def estimate(
     elif with_activations:
         notes.append(
             f"activations: Korthikanti et al. 2022, {shape.layers} blocks ({shape.blocks}), hidden "
-            f"{shape.hidden}, no recomputation, "
+            f"{shape.hidden}, "
+            + (
+                f"activation checkpointing {activation_checkpointing} (docs/memory-estimator.md), "
+                if activation_checkpointing
+                else "no recomputation, "
+            )
             + (f"attention scores stored ({attention_heads} heads)" if attention_heads else "fused attention")
             + (f", fp32 logits over vocabulary {shape.vocab}" if shape.vocab else "")
             + "; PP assumes 1F1B."
@@ -378,14 +394,18 @@ def estimate(
                 extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
                 p, g = p + extra_p, g + extra_g
             split = devices if strategy in ("tp", "pp") else 1
-            p += autocast_copy_bytes(precision, math.ceil(shape.trainable_parameters / split), strategy)
+            computed = math.ceil(shape.trainable_parameters / split)
+            p += autocast_copy_bytes(
+                precision, cast_parameters(shape, activation_checkpointing, computed, split), strategy
+            )
             activations = None
             if with_activations:
-                activations = activation_bytes(
+                activations = estimate_activation_bytes(
                     shape,
                     micro_batch_size,
                     seq_len,
                     precision.activation_bytes,
+                    activation_checkpointing,
                     tensor_parallel=devices if strategy == "tp" else 1,
                     attention_heads=attention_heads,
                 )

@@ -30,6 +30,7 @@ from unison.hardware import link_from_topology as link_from_topology
 from unison.hardware import parse_memory as parse_memory
 from unison.layout_memory import PlanMemory, layout_memory
 from unison.parallel.blocks import find_blocks
+from unison.parallel.checkpointing import FULL
 from unison.parallel.config import ParallelismConfig
 
 COMFORTABLE_FRACTION = 0.75
@@ -207,7 +208,8 @@ def plan_parallelism(
 
     Without micro_batch_size and seq_len only the model state is counted (the 25% kept free by
     'comfortably' is then all the room activations get). `activation_checkpointing` says the run
-    recomputes each block in backward (the planner assumes it, it does not switch it on).
+    recomputes each block in backward: the plan prices that, and its config turns it on
+    (activation_checkpointing="full"), so prepare() runs what was priced.
     `pipeline=False` / `tensor_parallel=False` leave out layouts the run cannot take (a loop without the
     pipeline step, a model without a TP plan).
     """
@@ -226,7 +228,10 @@ def plan_for(facts: ModelFacts, hardware: Hardware, workload: Workload) -> Plan:
     before = [dataclasses.replace(c, why=_why_lost(c, winner)) for c in ranked[max(0, chosen - 6) : chosen]]
     after = [dataclasses.replace(c, why="ranked lower: " + c.why) for c in ranked[chosen + 1 : chosen + 4]]
     reasons = _reasons(facts, hardware, workload, winner)
-    return Plan(winner.config, winner.memory, reasons, (*before, *after), hardware, workload, facts)
+    config = winner.config
+    if workload.activation_checkpointing:  # priced with recomputation: the config turns it on in prepare()
+        config = dataclasses.replace(config, activation_checkpointing=FULL)
+    return Plan(config, winner.memory, reasons, (*before, *after), hardware, workload, facts)
 
 
 def _choose(facts: ModelFacts, hw: Hardware, workload: Workload) -> tuple[int | None, list[Candidate]]:

@@ -8,6 +8,7 @@ import json
 import sys
 
 from .. import memory
+from ..parallel.checkpointing import normalize_mode
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated, even for a 70B model) and print, per
@@ -45,6 +46,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         metavar="A",
         help="add the stored attention-score term (attention without a fused SDPA/flash kernel)",
     )
+    parser.add_argument(
+        "--activation-checkpointing",
+        default=None,
+        metavar="MODE",
+        help="count activations as under activation checkpointing: full, selective (op-level), "
+        "selective:K (every K-th block); default none",
+    )
     parser.add_argument("--json", action="store_true", help="print the estimate as JSON (bytes)")
     parser.set_defaults(run=run)
 
@@ -69,12 +77,22 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
+        mode = normalize_mode(args.activation_checkpointing, "--activation-checkpointing")
+    except ValueError as error:
+        sys.stderr.write(f"unison estimate-memory: error: {error}\n")
+        return 2
+    try:
         model = memory.build_on_meta(args.target)
     except memory.TargetError as error:
         sys.stderr.write(f"unison estimate-memory: error: {error}\n")
         return 2
     result = memory.estimate(
-        memory.inspect_model(model), args.devices, args.micro_batch_size, args.seq_len, args.attention_heads
+        memory.inspect_model(model),
+        args.devices,
+        args.micro_batch_size,
+        args.seq_len,
+        args.attention_heads,
+        activation_checkpointing=mode,
     )
     sys.stdout.write(
         (to_json(args.target, result) if args.json else format_table(args.target, result)) + "\n"

@@ -23,6 +23,7 @@ _VARIABLES = [
     (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
     (f"{launch_env.DEBUG}=1", "--debug"),
     (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
+    (f"{launch_env.ACTIVATION_CHECKPOINTING}=MODE", "--activation-checkpointing"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
@@ -151,6 +152,13 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="ddp (default), zero1, zero2, zero3, or FIELD=VALUE pairs of ParallelismConfig, e.g. "
         "dp_shard_size=2,tp_size=2",
     )
+    training.add_argument(
+        *_spellings("activation-checkpointing"),
+        default=None,
+        metavar="MODE",
+        help="recompute activations in backward: full (every block), selective (op-level: matmul and "
+        "attention outputs kept), selective:K (every K-th block), none",
+    )
     add_plugin_flags(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
@@ -191,6 +199,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         timeout=args.timeout,
         debug=args.debug,
         parallelism=args.parallelism,
+        activation_checkpointing=args.activation_checkpointing,
         plugin=plugin_from_flags(args),
     )
 

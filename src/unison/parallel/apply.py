@@ -1,4 +1,5 @@
-"""Apply a validated layout to a model, in torchtitan's order: pipeline split, tensor parallel, data parallel.
+"""Apply a validated layout to a model, in torchtitan's order: pipeline split, tensor parallel, activation
+checkpointing, data parallel.
 
 Each strategy is a plain function of its own module (`pipeline`, `tensor`, `zero`, `ddp`); this module
 only decides which run, on which sub-mesh of the one DeviceMesh, and in what order:
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
+from .checkpointing import apply_activation_checkpointing
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
 from .engines import is_dtensor
@@ -122,7 +124,8 @@ def _parallelize_part(
     ddp_kwargs: dict[str, Any],
     param_dtype: torch.dtype | None,
 ) -> nn.Module:
-    """Tensor parallel, then the data-parallel engine, on a whole model or one pipeline stage."""
+    """Tensor parallel, activation checkpointing, then the data-parallel engine, on a whole model or one
+    pipeline stage (torchtitan's order: FSDP2 shards blocks whose checkpoint hooks are already there)."""
     if (config.tp_size or 1) > 1:
         # A user's plan already says which styles it wants; the two flags choose the built-in plan's.
         builtin = config.tp_plan is None
@@ -135,6 +138,8 @@ def _parallelize_part(
             sequence_parallel=config.sequence_parallel and builtin,
             loss_parallel=config.loss_parallel and builtin,
         )
+    if config.activation_checkpointing:
+        apply_activation_checkpointing(model, config.activation_checkpointing, config.zero_blocks)
     engine = data_parallel_engine(config)
     trainable = any(p.requires_grad for p in model.parameters())
     # A frozen model (a teacher, a reference model) has nothing for DDP to synchronise, and DDP refuses

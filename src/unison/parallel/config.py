@@ -20,6 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .checkpointing import normalize_mode
+
 DEGREE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 """The degrees (the mesh puts cp before tp: parallel/mesh.py; cp stays last here, as messages name it)."""
 
@@ -28,7 +30,14 @@ ZERO_STAGES = (1, 2, 3)
 SHORTHANDS = ("ddp", "zero1", "zero2", "zero3", "dataparallel")
 
 _BOOLEAN_FIELDS = ("sequence_parallel", "loss_parallel", "offload")
-_SCALAR_FIELDS = (*DEGREE_FIELDS, "zero_stage", "pp_schedule", "pp_microbatches", *_BOOLEAN_FIELDS)
+_SCALAR_FIELDS = (
+    *DEGREE_FIELDS,
+    "zero_stage",
+    "pp_schedule",
+    "pp_microbatches",
+    *_BOOLEAN_FIELDS,
+    "activation_checkpointing",
+)
 """Fields that `from_string` accepts as FIELD=VALUE (plans and split points need code)."""
 
 
@@ -73,6 +82,9 @@ class ParallelismConfig:
     legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
         Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
         threads, no overloaded GPU 0; see docs/data-parallel.md).
+    activation_checkpointing: "full", "selective" (op-level), "selective:K" (every K-th block) or None:
+        which blocks recompute their activations in backward (parallel/checkpointing.py); the blocks are
+        `zero_blocks` when given, else the found block list.
     """
 
     dp_replicate_size: int | None = None
@@ -90,6 +102,7 @@ class ParallelismConfig:
     loss_parallel: bool = False
     offload: bool = False
     legacy_data_parallel: bool = False
+    activation_checkpointing: str | None = None
 
     @classmethod
     def from_string(cls, text: str) -> ParallelismConfig:
@@ -126,7 +139,7 @@ class ParallelismConfig:
                 )
             if name in fields:
                 raise ValueError(f"parallelism={text!r} sets {name} twice: give each field once.")
-            if name == "pp_schedule":
+            if name in ("pp_schedule", "activation_checkpointing"):
                 fields[name] = raw
             elif name in _BOOLEAN_FIELDS:
                 fields[name] = _parse_bool(text, name, raw)
@@ -162,12 +175,14 @@ class ParallelismConfig:
                     f"is not used), or None to let it be filled in. Pass e.g. {name}=2."
                 )
         self._check_options()
-        resolved = self._fill(world_size)
+        mode = normalize_mode(self.activation_checkpointing)
+        resolved = dataclasses.replace(self, activation_checkpointing=mode)._fill(world_size)
         resolved._check_product(world_size)
         resolved._check_dimension_options()
         return resolved
 
     def _check_options(self) -> None:
+        normalize_mode(self.activation_checkpointing)  # raises, naming the value, when it is no mode
         if self.zero_stage is not None and self.zero_stage not in ZERO_STAGES:
             raise ValueError(
                 f"zero_stage={self.zero_stage!r} is not a ZeRO stage: pass 1 (optimizer state sharded), 2 "
@@ -253,13 +268,21 @@ class ParallelismConfig:
                     f"{option}={value!r} was given but {dimension}=1, so it would be ignored: set "
                     f"{dimension} >= 2, or drop {option}."
                 )
+        sharded = self.dp_size > 1 and self.zero_stage in (2, 3)
         if self.zero_blocks is not None and (
-            not isinstance(self.zero_blocks, str) or self.dp_size == 1 or self.zero_stage not in (2, 3)
+            not isinstance(self.zero_blocks, str) or not (sharded or self.activation_checkpointing)
         ):
             raise ValueError(
-                f"zero_blocks={self.zero_blocks!r} names the block list that ZeRO-2/3 shard block by block, "
-                f"but this layout is {self.describe()}: give a module or class name (e.g. 'transformer.h') "
-                "with zero_stage 2 or 3, or leave zero_blocks None."
+                f"zero_blocks={self.zero_blocks!r} names the block list that ZeRO-2/3 shard block by block "
+                f"(and activation checkpointing recomputes), but this layout is {self.describe()} without "
+                "activation checkpointing: give a module or class name (e.g. 'transformer.h') with "
+                "zero_stage 2 or 3 or an activation_checkpointing mode, or leave zero_blocks None."
+            )
+        if self.legacy_data_parallel and self.activation_checkpointing:
+            raise ValueError(
+                f"activation_checkpointing={self.activation_checkpointing!r} with torch.nn.DataParallel: its "
+                "per-GPU replicas copy modules every step, which the checkpoint hooks are not made for. Use "
+                "DDP ('ddp') with activation checkpointing, or drop activation_checkpointing."
             )
         if self.tp_plan is not None and self.sequence_parallel:
             raise ValueError(
@@ -326,6 +349,8 @@ class ParallelismConfig:
             text += f" (ZeRO-{self.zero_stage}{', offloaded' if self.offload else ''})"
         if (self.pp_size or 1) > 1:
             text += f", pp_schedule={self.pp_schedule}"
+        if self.activation_checkpointing:
+            text += f", activation_checkpointing={self.activation_checkpointing}"
         return text
 
 

@@ -56,7 +56,8 @@ class FullyShardedDataParallelPlugin:
     one. sync_module_states (Accelerate's default True): FSDP2 shards each process's own copy, so build
     the model identically on every process (set_seed before building it, or load the same weights).
     limit_all_gathers, forward_prefetch, backward_prefetch and use_orig_params=True only tune FSDP1 and
-    are accepted without effect. Refused with a message: cpu_offload, activation_checkpointing,
+    are accepted without effect. activation_checkpointing=True is unison's activation_checkpointing="full"
+    on the same blocks (docs/activation-checkpointing.md). Refused with a message: cpu_offload,
     cpu_ram_efficient_loading, ignored_modules, param_init_fn, use_orig_params=False, min_num_params /
     SIZE_BASED_WRAP, LOCAL_STATE_DICT.
     """
@@ -100,6 +101,8 @@ class FullyShardedDataParallelPlugin:
                     "shards, but sharding_strategy NO_SHARD shards nothing: drop the names or shard."
                 )
             config["zero_blocks"] = ",".join(names)
+        if self.activation_checkpointing:
+            config["activation_checkpointing"] = "full"
         return PluginLayout(ParallelismConfig(**config), self._precision())
 
     def _precision(self) -> str | None:
@@ -175,11 +178,6 @@ class FullyShardedDataParallelPlugin:
                 "Leave it unset: CPU offload comes with FSDP2's CPUOffloadPolicy in a later version.",
             )
         checks = {
-            "activation_checkpointing": (
-                self.activation_checkpointing,
-                (None, False),
-                "Leave it unset and wrap your blocks in torch.utils.checkpoint yourself for now.",
-            ),
             "activation_checkpointing_offload": (
                 self.activation_checkpointing_offload,
                 (None, False),
