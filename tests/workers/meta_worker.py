@@ -195,14 +195,20 @@ def train(layout: str, real: bool) -> tuple[dict[str, torch.Tensor], float]:
             accelerator.backward(loss)
         optimizer.step()
         optimizer.zero_grad()
-    return accelerator.get_state_dict(model), float(loss)
+    return accelerator.get_state_dict(model), loss.item()
 
 
-def initialised(layout: str) -> dict[str, torch.Tensor]:
-    """Every process on meta: the model's own init on the shards, gathered whole."""
+def initialised(layout: str) -> tuple[dict[str, torch.Tensor], bool]:
+    """Every process on meta: the model's own init on the shards, gathered whole; and whether the
+    copies of the tied embedding (one per pipeline end under PP) are equal on every rank."""
     accelerator = Accelerator(cpu=True, parallelism=layout)
     model = accelerator.prepare(build(real=False))
-    return accelerator.get_state_dict(model)
+    local = dict(model.named_parameters(remove_duplicate=False))
+    tied = local.get("transformer.wte.weight", local.get("lm_head.weight"))
+    tied = tied.full_tensor() if hasattr(tied, "full_tensor") else tied.detach()
+    copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]
+    dist.all_gather(copies, tied.contiguous())
+    return accelerator.get_state_dict(model), all(torch.equal(copies[0], c) for c in copies)
 
 
 def errors() -> dict[str, str]:
@@ -211,7 +217,7 @@ def errors() -> dict[str, str]:
     torch.manual_seed(SEED)
     model = make_tiny_gpt(SEED, BLOCK)
     if dist.get_rank() == 1:
-        model.lm_head.to(device="meta")  # lm_head is tied to wte: the embedding goes too, blocks stay real
+        model.lm_head.to(device="meta")  # lm_head.weight alone on meta (its tie to wte breaks), the rest real
     try:
         Accelerator(cpu=True, parallelism="zero3").prepare(model)
     except ValueError as error:
@@ -234,7 +240,7 @@ def main() -> None:
     expected = reference()
     for layout in LAYOUTS:
         full, loss = train(layout, real=state.process_index == 0)
-        first, second = initialised(layout), initialised(layout)
+        (first, tied_equal), (second, _) = initialised(layout), initialised(layout)
         trained_from_init = train(layout, real=False)[1]
         if state.is_main_process:
             report["layouts"][layout] = {
@@ -245,6 +251,7 @@ def main() -> None:
                 "init_deterministic": all(torch.equal(first[k], second[k]) for k in first),
                 "init_differs_from_zero": all(bool(v.abs().sum() > 0) for k, v in first.items() if "weight" in k),
                 "init_loss": trained_from_init,
+                "init_tied_copies_equal": tied_equal,
             }
     report["errors"] = _gathered_errors(errors())
     if state.is_main_process:

@@ -187,14 +187,15 @@ class DeferredModel:
             for tensor in fresh.values():
                 _fill_unset(_local(tensor))
         root = self.root if self.root is not None else module
-        if callable(getattr(root, "init_weights", None)):
-            root.init_weights()
-        else:
-            for sub in module.modules():
-                if callable(getattr(sub, "reset_parameters", None)):
-                    sub.reset_parameters()
-            if callable(getattr(root, "_init_weights", None)):
-                root.apply(root._init_weights)
+        with torch.no_grad():  # as torchtitan calls init_weights: in-place fills of leaf parameters
+            if callable(getattr(root, "init_weights", None)):
+                root.init_weights()
+            else:
+                for sub in module.modules():
+                    if callable(getattr(sub, "reset_parameters", None)):
+                        sub.reset_parameters()
+                if callable(getattr(root, "_init_weights", None)):
+                    root.apply(root._init_weights)
         left = [n for n, t in fresh.items() if _is_unset(_local(t))]
         if left:
             raise ValueError(
@@ -209,6 +210,11 @@ class DeferredModel:
             from .tensor import _broadcast_replicated
 
             _broadcast_replicated(module, self.tp_mesh)
+        # a weight tied across pipeline stages (GPT's wte / lm_head) was drawn on each holding rank:
+        # the first holder's copy for all (unison.parallel.pipeline's groups of the ranks holding each)
+        for params, group in getattr(module, "_tie_groups", ()):
+            for param in params:
+                dist.broadcast(_local(param).detach(), src=dist.get_global_rank(group, 0), group=group)
 
 
 @contextlib.contextmanager
