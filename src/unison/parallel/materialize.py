@@ -16,10 +16,13 @@ and Accelerate do. Two sources of values, chosen by where the model's parameters
   tracker makes the shards one draw of the full tensor, on CPU each rank draws its shard from its own
   generator, so the result is a valid init but not the one of the model built normally.
 - "rank0": process 0 holds the real weights (in its CPU memory, e.g. loaded from a file), the others
-  built the model on meta (Accelerate's `cpu_ram_efficient_loading`). Process 0's state dict is kept,
-  its model moved to meta, and after sharding the weights are broadcast one tensor at a time
-  (torch's `set_model_state_dict(..., broadcast_from_rank0=True)`): each process holds its shards plus
-  one full tensor in flight, never the whole model. Non-persistent buffers follow the same way.
+  built the model on meta (Accelerate's `cpu_ram_efficient_loading`). Process 0's tensors are set
+  aside, its model moved to meta like the others', and after sharding each tensor is broadcast in turn
+  and every process copies its part into its shard in place (torch's `distribute_tensor` with
+  `src_data_rank=None` slices locally): each process holds its shards plus one full tensor in flight,
+  never the whole model. (torch's `set_model_state_dict(..., broadcast_from_rank0=True)` does the same
+  for DTensors, but keeps every received plain tensor, a pipeline stage's whole share, until the end.)
+  Non-persistent buffers and weights tied under several names travel the same way.
 
 Buffers that are not on meta (a causal mask built outside `init_empty_weights`) are kept as given.
 Layouts that hold the whole model on every process (one process, DDP, ZeRO-1) materialise it before
@@ -30,8 +33,8 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from collections.abc import Iterator
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -112,9 +115,11 @@ class DeferredModel:
     device: torch.device
     whole: bool  # materialised before wrapping (the layout holds the whole model)
     tp_mesh: DeviceMesh | None = None
-    weights: dict[str, torch.Tensor] = field(default_factory=dict)  # process 0's, "rank0" only
+    # process 0's parameters and buffers (non-persistent ones too), a tied tensor once, "rank0" only,
+    # and the other names of each tied one
+    weights: dict[str, torch.Tensor] = field(default_factory=dict)
+    aliases: dict[str, list[str]] = field(default_factory=dict)
     kept_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # real buffers, kept as given
-    extra: set[str] = field(default_factory=set)  # process 0's non-persistent buffers, "rank0" only
     root: nn.Module | None = None
 
     def before_parallelize(self, model: nn.Module) -> nn.Module:
@@ -122,14 +127,7 @@ class DeferredModel:
         model that the layout holds whole. Call after noting the model's parameters, before wrapping."""
         self.root = model
         if self.source == "rank0" and _meta_code(model) == _NO_META:
-            # every tensor, non-persistent buffers included: set_model_state_dict skips those, see _load
-            self.weights = {
-                name: tensor.detach()
-                for name, tensor in itertools.chain(
-                    model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-                )
-            }
-            self.extra = set(self.weights) - set(model.state_dict())  # non-persistent buffers
+            self.weights, self.aliases = _tensors_once(model)
             with _in_place():
                 model.to(device=META)
         else:
@@ -159,25 +157,25 @@ class DeferredModel:
         self.weights = {}
 
     def _load(self, module: nn.Module) -> None:
-        """Broadcast process 0's weights into the shards, one tensor at a time (every process calls it)."""
-        # distributed checkpoint's loader (heavy to import: see engines.py) only where used
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
-        set_model_state_dict(module, self.weights, options=options)
-        # non-persistent buffers are outside state dicts: the same broadcast, by name, for those
-        buffers = dict(module.named_buffers(remove_duplicate=False))
-        infos = [{name: (value.shape, value.dtype) for name, value in self.weights.items() if name in self.extra}]
-        dist.broadcast_object_list(infos, src=0)
-        for name, (shape, dtype) in infos[0].items():
-            if dist.get_rank() == 0:
-                value = self.weights[name].to(self.device)
+        """Process 0's tensors, broadcast one at a time; each process copies its part of each into its
+        own (already allocated) shard in place and drops the rest, so none holds more than its shards
+        and one full tensor in flight. Every process calls it, in the same order (process 0's)."""
+        rank = dist.get_rank()
+        order = [[(n, t.shape, t.dtype, self.aliases.get(n, [])) for n, t in self.weights.items()]]
+        dist.broadcast_object_list(order, src=0)
+        local = dict(
+            itertools.chain(
+                module.named_parameters(remove_duplicate=False), module.named_buffers(remove_duplicate=False)
+            )
+        )
+        for name, shape, dtype, aliases in order[0]:
+            if rank == 0:
+                full = self.weights.pop(name).to(self.device)  # process 0's copy goes as it is sent
             else:
-                value = torch.empty(shape, dtype=dtype, device=self.device)
-            dist.broadcast(value, src=0)  # a pipeline rank without this buffer takes part all the same
-            if name in buffers:
-                with torch.no_grad():
-                    _local(buffers[name]).copy_(value)
+                full = torch.empty(shape, dtype=dtype, device=self.device)
+            dist.broadcast(full, src=0)
+            for target in {id(local[n]): local[n] for n in [name, *aliases] if n in local}.values():
+                _copy_part(full, target)
 
     def _init(self, module: nn.Module) -> None:
         """The model's own init on this process's shards; a tensor it leaves unfilled is refused."""
@@ -231,6 +229,37 @@ def _in_place() -> Iterator[None]:
         yield
     finally:
         torch.__future__.set_swap_module_params_on_conversion(before)
+
+
+def _tensors_once(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
+    """Every parameter and buffer of `model` by name, a tensor held under several names (a tied weight)
+    once, under its first name; and those other names."""
+    first: dict[int, str] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    aliases: dict[str, list[str]] = {}
+    named = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    for name, tensor in named:
+        if id(tensor) in first:
+            aliases.setdefault(first[id(tensor)], []).append(name)
+        else:
+            first[id(tensor)] = name
+            tensors[name] = tensor.detach()
+    return tensors, aliases
+
+
+@torch.no_grad()
+def _copy_part(full: torch.Tensor, target: torch.Tensor) -> None:
+    """Copy into `target` its part of `full`: all of it, or a DTensor's local shard (sliced locally by
+    torch's distribute_tensor without communication, src_data_rank=None)."""
+    if is_dtensor(target):
+        from torch.distributed.tensor import distribute_tensor
+
+        part = distribute_tensor(full, target.device_mesh, target.placements, src_data_rank=None)
+        target.to_local().copy_(part.to_local())
+    else:
+        target.copy_(full)
 
 
 def _fill_unset(tensor: torch.Tensor) -> None:
