@@ -1,5 +1,6 @@
 """Launched worker (2 processes): models built on the meta device (unison.init_empty_weights) under
-ZeRO-3, TP 2 and PP 2, against the same model built normally; and each rank's peak memory.
+ZeRO-3, TP 2 and PP 2 (and DDP, which materialises it whole), against the same model built normally;
+and each rank's peak memory.
 
 Fidelity: for each layout, process 0 builds the tiny GPT with real weights (seeded) and process 1 builds
 it inside init_empty_weights(); prepare() broadcasts process 0's weights into the shards. Both train
@@ -39,7 +40,7 @@ STEPS = 4
 GLOBAL_BATCH = 4
 BLOCK = 16
 SEED = 1234
-LAYOUTS = ("zero3", "tp_size=2", "pp_size=2")
+LAYOUTS = ("zero3", "tp_size=2", "pp_size=2", "ddp")  # ddp: materialised whole, then wrapped
 WIDTH = 1024
 MEMORY_LAYERS = 8  # 2 x 8 Linear(1024, 1024) with bias: 67 MB of fp32
 
@@ -206,7 +207,7 @@ def initialised(layout: str) -> tuple[dict[str, torch.Tensor], bool]:
     copies of the tied embedding (one per pipeline end under PP) are equal on every rank."""
     accelerator = Accelerator(cpu=True, parallelism=layout)
     model = accelerator.prepare(build(real=False))
-    local = dict(model.named_parameters(remove_duplicate=False))
+    local = dict(accelerator.unwrap_model(model).named_parameters(remove_duplicate=False))
     tied = local.get("transformer.wte.weight", local.get("lm_head.weight"))
     tied = tied.full_tensor() if hasattr(tied, "full_tensor") else tied.detach()
     copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]
@@ -233,6 +234,13 @@ def errors() -> dict[str, str]:
         Accelerator(cpu=True, parallelism="zero3").prepare(model)
     except ValueError as error:
         found["real_off_zero"] = str(error)
+    with init_empty_weights():  # a parameter the model's init does not reach, on the last stage only
+        model = make_tiny_gpt(SEED, BLOCK)
+        model.lm_head.extra = torch.nn.Parameter(torch.empty(3))
+    try:
+        Accelerator(cpu=True, parallelism="pp_size=2").prepare(model)
+    except ValueError as error:
+        found["unset_on_one_stage"] = str(error)
     return found
 
 

@@ -195,6 +195,10 @@ class DeferredModel:
                 if callable(getattr(root, "_init_weights", None)):
                     root.apply(root._init_weights)
         left = [n for n, t in fresh.items() if _is_unset(_local(t))]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            everyone: list = [None] * dist.get_world_size()  # pipeline stages hold different tensors:
+            dist.all_gather_object(everyone, left)  # every process raises, naming all of them
+            left = sorted({name for names in everyone for name in names})
         if left:
             raise ValueError(
                 f"{type(root).__name__} was built on the meta device and its own init left "
