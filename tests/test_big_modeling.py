@@ -106,6 +106,7 @@ def test_meta_built_models_train_like_normal_ones_and_hold_their_shard_only(tmp_
         assert run["max_abs_diff"] < 1e-6, (layout, run["max_abs_diff"])
         assert run["init_finite"] and run["init_deterministic"] and run["init_differs_from_zero"], layout
         assert run["init_tied_copies_equal"], layout
+    assert report["resumed_from_ddp"] == {"zero3": 0.0, "tp_size=2": 0.0, "pp_size=2": 0.0}, report
     memory = report["memory"]
     size = memory["model_bytes"]
     # today's path holds the whole model (and FSDP2's copy of the shard): the measurement sees it

@@ -5,7 +5,8 @@ and each rank's peak memory.
 Fidelity: for each layout, process 0 builds the tiny GPT with real weights (seeded) and process 1 builds
 it inside init_empty_weights(); prepare() broadcasts process 0's weights into the shards. Both train
 STEPS SGD+momentum steps through the ordinary loop; every rank also trains the model built normally in
-one process (the reference) and the final full state dicts are compared. With every process on meta,
+one process (the reference) and the final full state dicts are compared; a DDP checkpoint loads into
+the meta-built model of each layout exactly (the streamed resume). With every process on meta,
 prepare() runs the model's own init on the shards: checked finite, the same on a second build with the
 same seed, and the copies of the tied embedding equal on every rank.
 
@@ -215,6 +216,24 @@ def initialised(layout: str) -> tuple[dict[str, torch.Tensor], bool]:
     return accelerator.get_state_dict(model), all(torch.equal(copies[0], c) for c in copies)
 
 
+def resumed_into(layouts: tuple[str, ...], directory: str) -> dict[str, float]:
+    """A DDP run's checkpoint (model only: a plain optimizer state cannot enter pipeline stages) loaded
+    into a meta-built model under each layout (the streamed path): the largest difference to it."""
+    ddp = Accelerator(cpu=True, parallelism="ddp")
+    saved_model = ddp.prepare(make_tiny_gpt(SEED + 1, BLOCK))
+    ddp.save_state(directory)
+    saved = ddp.get_state_dict(saved_model)
+    differences = {}
+    for layout in layouts:
+        accelerator = Accelerator(cpu=True, parallelism=layout)
+        model = accelerator.prepare(build(real=False))
+        accelerator.load_state(directory)
+        full = accelerator.get_state_dict(model)
+        if dist.get_rank() == 0:
+            differences[layout] = max((full[k] - saved[k]).abs().max().item() for k in saved)
+    return differences
+
+
 def errors() -> dict[str, str]:
     """Inconsistent builds are refused on every process, before any work."""
     found = {}
@@ -268,6 +287,11 @@ def main() -> None:
                 ),
                 "init_tied_copies_equal": tied_equal,
             }
+    with tempfile.TemporaryDirectory() as tmp:
+        directory = [str(Path(tmp) / "ddp")]
+        dist.broadcast_object_list(directory, src=0)
+        report["resumed_from_ddp"] = resumed_into(LAYOUTS[:3], directory[0])
+        dist.barrier()
     report["errors"] = _gathered_errors(errors())
     if state.is_main_process:
         out.write_text(json.dumps(report, indent=1))
