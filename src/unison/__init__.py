@@ -4,6 +4,7 @@ The public names follow Hugging Face Accelerate, so a script migrates by changin
 """
 
 from .accelerator import Accelerator
+from .big_modeling import init_empty_weights
 from .checkpoint import CheckpointError, ProjectConfiguration
 from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
 from .data import (
@@ -74,6 +75,7 @@ __all__ = [
     "find_executable_batch_size",
     "gather",
     "gather_object",
+    "init_empty_weights",
     "notebook_launcher",
     "pad_across_processes",
     "prepare_data_loader",

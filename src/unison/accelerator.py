@@ -58,6 +58,7 @@ from .parallel.checkpointing import normalize_mode, resolve_mode
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
+from .parallel.materialize import deferred_model
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.pipeline import PipelineModel
 from .parallel.ranks import LayoutProperties
@@ -422,12 +423,18 @@ class Accelerator(
         self._check_ddp_kwargs_apply()
         if device_placement is None:
             device_placement = self.device_placement
-        if device_placement:
+        # built on the meta device (init_empty_weights): sharded first, then each rank's shards only
+        deferred = deferred_model(model, self.parallelism, self.device_mesh, self.device)
+        if device_placement and deferred is None:
             model = model.to(self.device)
         before = dict(unwrap(model).named_parameters(remove_duplicate=False))  # names as the user's module's
+        if deferred is not None:
+            model = deferred.before_parallelize(model)
         prepared = parallelize(
             model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs, self.precision.dtype
         )
+        if deferred is not None:
+            deferred.after_parallelize(prepared)
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)

@@ -451,19 +451,42 @@ def check_full_model_state(
 ) -> None:
     """Raise CheckpointError unless `state` (a whole-model state dict) has every key `model` holds on
     this process, and, given `model_keys` (the model's keys on any process), none beyond them."""
-    missing = [key for key in get_model_state_dict(unwrap(model)) if key not in state]
+    wanted = model_keys if model_keys is not None else get_model_state_dict(unwrap(model))
+    missing = sorted(key for key in wanted if key not in state)
     unexpected = [] if model_keys is None else sorted(set(state) - model_keys)
     if missing or unexpected:
         raise model_keys_error(missing, unexpected)
 
 
-def apply_full_model_state(model: nn.Module, state: dict[str, torch.Tensor], strict: bool = True) -> None:
+def streamed_parts(names: set[str], model_parts: dict[str, tuple[nn.Module, Any]]) -> set[str]:
+    """Of the whole files (a plain or DDP run's) to load into a sharded layout, those the main process
+    alone reads and sends on one tensor at a time: every model file, and the optimizer files but
+    ZeRO-1's (ZeroRedundancyOptimizer loads the whole state on every process itself)."""
+    return {
+        name
+        for name in names
+        if model_parts[name][1] is model_parts[name][0]
+        or not isinstance(_torch_optimizer(model_parts[name][1]), ZeroRedundancyOptimizer)
+    }
+
+
+def apply_full_model_state(
+    model: nn.Module, state: dict[str, torch.Tensor] | None, strict: bool = True, streamed: bool = False
+) -> None:
     """Load a consolidated state dict (a plain or DDP run's `model_<i>.pt`) into any layout.
 
     Each process keeps the slices its shards cover; a pipeline stage takes only its own keys.
     strict=False loads the keys both have and leaves the model's others as they are.
     Collective under sharded layouts (the full tensors are distributed to the shards).
+    streamed: only the main process has `state` (the others pass None; its keys were checked against
+    every process's with check_full_model_state); it is broadcast one tensor at a time, so no other
+    process ever holds more than its shards and one full tensor (torch's broadcast_from_rank0).
     """
+    if streamed and _distributed():
+        # every key is sent (each process keeps its own), so the load itself cannot be strict
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True, strict=False)
+        set_model_state_dict(unwrap(model), state or {}, options=options)
+        return
     if strict:
         check_full_model_state(model, state)
     module = unwrap(model)
@@ -489,29 +512,41 @@ def check_full_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str
 
 
 def apply_full_optimizer_state(
-    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any] | None, streamed: bool = False
 ) -> None:
     """Load a plain optimizer state dict (keyed by parameter position) into any layout's optimizer.
 
     As torch's own `load_state_dict`, this relies on the optimizer listing its parameters in the same
     order as the one that saved it (the same code building it). ZeRO-1's optimizer reads the plain form
     itself; others get it keyed by parameter name and sliced to their shards.
+    streamed: only the main process has `state` (checked there); it is broadcast one tensor at a time.
     """
-    check_full_optimizer_state(optimizer, state)
     outer = _torch_optimizer(optimizer)
+    if streamed and _distributed():
+        by_name = _by_name(unwrap(model), outer, state) if state is not None else {}
+        options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+        with _grads_set_aside(outer):
+            set_optimizer_state_dict(unwrap(model), outer, by_name, options=options)
+        return
+    check_full_optimizer_state(optimizer, state)
     if isinstance(outer, ZeroRedundancyOptimizer) or not state["state"]:
         outer.load_state_dict(state)
         return
     module = unwrap(model)
-    live = [p for group in outer.param_groups for p in group["params"]]
+    by_name = _by_name(module, outer, state)
+    with _grads_set_aside(outer):
+        set_optimizer_state_dict(module, outer, by_name, options=StateDictOptions(full_state_dict=True))
+
+
+def _by_name(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:
+    """A plain optimizer state dict keyed by the names of `optimizer`'s parameters in `module`."""
+    live = [p for group in optimizer.param_groups for p in group["params"]]
     saved = [index for group in state["param_groups"] for index in group["params"]]
     name_of = {id(p): name for name, p in module.named_parameters()}
     fqn = {index: name_of[id(p)] for index, p in zip(saved, live)}
-    by_name = {
+    return {
         "state": {fqn[index]: value for index, value in state["state"].items()},
         "param_groups": [
             {**group, "params": [fqn[i] for i in group["params"]]} for group in state["param_groups"]
         ],
     }
-    with _grads_set_aside(outer):
-        set_optimizer_state_dict(module, outer, by_name, options=StateDictOptions(full_state_dict=True))

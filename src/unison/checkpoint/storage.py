@@ -582,14 +582,17 @@ def save_object(obj: Any, path: str | os.PathLike) -> None:
     torch.save(obj, path)
 
 
-def load_object(path: str | os.PathLike, map_location: Any = None) -> Any:
+def load_object(path: str | os.PathLike, map_location: Any = None, mmap: bool = False) -> Any:
     """Read an object written by save_object with torch.load(weights_only=True): no code is executed.
+
+    mmap: the tensors map the file instead of being read into memory (torch.load(mmap=True)), so only
+    the pages used are read, and they stay reclaimable page cache (map_location must be the CPU).
 
     An object that weights_only refuses (an instance of an arbitrary class) raises CheckpointError
     naming the file and the refused type.
     """
     try:
-        return torch.load(path, map_location=map_location, weights_only=True)
+        return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as error:
         detail = str(error).split("WeightsUnpickler error:", 1)[-1].strip().splitlines()
         reason = detail[0] if detail else type(error).__name__

@@ -269,13 +269,15 @@ def _verification_error(directory: Path, manifest: dict[str, Any], names: list[s
     return None
 
 
-def _read(directory: Path, files: dict[str, Any]) -> tuple[dict[str, Any], Exception | None]:
-    """Load the files named in `files` (name -> map_location); the first failure is returned, not raised,
-    for after the check."""
+def _read(
+    directory: Path, files: dict[str, Any], mapped: set[str] = frozenset()
+) -> tuple[dict[str, Any], Exception | None]:
+    """Load the files named in `files` (name -> map_location; those in `mapped` memory-mapped on the
+    CPU); the first failure is returned, not raised, for after the check."""
     loaded: dict[str, Any] = {}
     for name, map_location in files.items():
         try:
-            loaded[name] = load_object(directory / name, map_location=map_location)
+            loaded[name] = load_object(directory / name, map_location=map_location, mmap=name in mapped)
         except Exception as exc:  # judged once the checksums are known: a damaged file explains it best
             return loaded, exc
     return loaded, None
@@ -358,6 +360,7 @@ def _apply(
     staged: dict,
     loaded: dict,
     strict: bool,
+    streamed_parts: set[str],
 ) -> None:
     """Put one part's loaded state into the live object, whatever the saved and the live layouts."""
     if name in staged:  # saved sharded: DCP read the pieces this process's layout needs
@@ -368,10 +371,11 @@ def _apply(
             _sharded().apply_optimizer_state(model, live, staged[name])
     elif name in sharded_parts:  # saved whole by a plain or DDP run, loaded into a sharded layout
         model, live = model_parts[name]
+        streamed = name in streamed_parts  # the main process's copy, broadcast one tensor at a time
         if live is model:
-            _sharded().apply_full_model_state(model, loaded[name], strict)
+            _sharded().apply_full_model_state(model, loaded.get(name), strict, streamed)
         else:
-            _sharded().apply_full_optimizer_state(model, live, loaded[name])
+            _sharded().apply_full_optimizer_state(model, live, loaded.get(name), streamed)
     elif name.startswith("model_"):
         part.load_state_dict(loaded[name], strict=strict)
     else:
@@ -412,7 +416,14 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
             "optimizers, schedulers, data loaders or registered objects (or another precision) than this "
             "one. Prepare the same objects, in the same order, as the run that saved it."
         )
-    to_read = dict.fromkeys(torch_files, training.device)
+    # Whole files (a plain or DDP run's) for a sharded layout: the main process alone reads them, mapped
+    # on its CPU, and sends them on tensor by tensor; no process reads the whole model onto its device.
+    streamed = _sharded().streamed_parts(sharded_parts - set(saved_sharded), model_parts)
+    to_read = {
+        name: "cpu" if name in streamed else training.device
+        for name in torch_files
+        if name not in streamed or state.is_main_process
+    }
     rng_file = _rng_file(state.process_index)
     if rng_file in manifest["files"]:  # the saved run had this rank: its streams, read now, applied last
         to_read[rng_file] = None  # (generator states stay on the CPU)
@@ -420,7 +431,7 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
     to_verify = files_of_process(manifest, state.process_index, state.num_processes)
     with ThreadPoolExecutor(max_workers=1) as pool:
         check = pool.submit(_verification_error, directory, manifest, to_verify)
-        loaded, read_error = _read(directory, to_read)
+        loaded, read_error = _read(directory, to_read, mapped=streamed)
         staged, stage_error = _read_sharded(directory, saved_sharded, model_parts, strict, model_keys)
         verification_error = check.result()
     raise_if_any_process_failed(verification_error, f"verifying {directory}")  # the clearest error first
@@ -431,7 +442,7 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
     micro_step = _micro_step(counters, training, directory)  # refused before anything is applied
     _check_optimizer_classes(counters, training, directory)
     for name, part in parts.items():
-        _apply(name, part, model_parts, sharded_parts, staged, loaded, strict)
+        _apply(name, part, model_parts, sharded_parts, staged, loaded, strict, streamed)
     for optimizer, steps in zip(training.optimizers, counters["optimizer_steps"]):
         optimizer.num_steps_taken = steps
     _load_rng_state(directory, manifest, loaded.get(rng_file))
