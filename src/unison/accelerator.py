@@ -64,7 +64,7 @@ from .parallel.pipeline import PipelineModel
 from .parallel.ranks import LayoutProperties
 from .planner import Plan
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, resolve_plugins
-from .precision import PrecisionPolicy
+from .precision import PrecisionPolicy, check_convert_outputs
 from .profiling import profile
 from .state import AcceleratorState, DistributedType, GradientState
 from .tracking.base import GeneralTracker, LoggerType, resolve_log_with
@@ -121,6 +121,7 @@ class Accelerator(
         convert_outputs_to_fp32: bool | None = None,
         activation_checkpointing: str | bool | None = None,
     ):
+        check_convert_outputs(convert_outputs_to_fp32)  # before any state exists, on every process
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
             (fsdp_plugin, deepspeed_plugin, deepspeed_plugins),

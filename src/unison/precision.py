@@ -33,13 +33,7 @@ class PrecisionPolicy:
     ):
         """scaler_kwargs / autocast_kwargs: GradScalerKwargs' / AutocastKwargs' changed options.
         convert_outputs_to_fp32: see `outputs_to_fp32`."""
-        if convert_outputs_to_fp32 not in (None, True, False):
-            raise ValueError(
-                f"convert_outputs_to_fp32={convert_outputs_to_fp32!r}: pass True (every floating output of a "
-                "prepared model in fp32, as Accelerate does), False (outputs as the model computed them) or "
-                "None (True, except that a model which returns its own `loss` keeps its other outputs)."
-            )
-        self.convert_outputs_to_fp32 = convert_outputs_to_fp32
+        self.convert_outputs_to_fp32 = check_convert_outputs(convert_outputs_to_fp32)
         self.mixed_precision = mixed_precision
         self.device_type = device.type
         self.dtype = AUTOCAST_DTYPES.get(mixed_precision)
@@ -104,6 +98,17 @@ class PrecisionPolicy:
             output["loss"] = _to_fp32(output["loss"])  # a ModelOutput keeps its attribute in step
             return output
         return recursively_apply(_to_fp32, output)
+
+
+def check_convert_outputs(value: Any) -> bool | None:
+    """`value` if it is a choice of PrecisionPolicy.outputs_to_fp32, else the error saying which are."""
+    if value not in (None, True, False):
+        raise ValueError(
+            f"convert_outputs_to_fp32={value!r}: pass True (every floating output of a prepared model in "
+            "fp32, as Accelerate does), False (outputs as the model computed them) or None (True, except "
+            "that a model which returns its own `loss` keeps its other outputs)."
+        )
+    return value
 
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:

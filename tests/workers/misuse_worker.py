@@ -25,6 +25,7 @@ from unison import (
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
     PartialState,
+    init_empty_weights,
     ops,
 )
 from unison.random import set_seed
@@ -142,6 +143,34 @@ def precision_conflict():
 @case
 def dataloader_config_dict():
     Accelerator(dataloader_config={"split_batches": True})
+
+
+@case
+def offload_outside_zero23():
+    Accelerator(parallelism="zero1,offload=true")
+
+
+@case
+def convert_outputs_auto():
+    Accelerator(convert_outputs_to_fp32="auto")
+
+
+@case
+def activation_checkpointing_mode():
+    Accelerator(activation_checkpointing="every")
+
+
+@case
+def activation_checkpointing_no_blocks():
+    Accelerator(activation_checkpointing="full").prepare(
+        nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+    )
+
+
+@case
+def empty_weights_real_buffers():
+    with init_empty_weights(include_buffers=False):
+        two_layers()
 
 
 # -- prepare ----------------------------------------------------------------------------------------
