@@ -48,6 +48,7 @@ class ElementCounter(CommDebugMode):
     def __init__(self) -> None:
         super().__init__()
         self.elements: dict[str, int] = defaultdict(int)
+        self.calls: dict[str, int] = defaultdict(int)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         before = sum(self.comm_counts.values())
@@ -58,11 +59,13 @@ class ElementCounter(CommDebugMode):
             moved = out.numel() if "all_gather" in name and isinstance(out, torch.Tensor) else max(inputs)
             tracker = self.advanced_module_tracker
             where = "c_attn" if tracker.name.endswith("c_attn") else "rest"
-            self.elements[f"{'backward' if tracker.is_bw else 'forward'} {where} {name}"] += moved
+            key = f"{'backward' if tracker.is_bw else 'forward'} {where} {name}"
+            self.elements[key] += moved
+            self.calls[key] += 1
         return out
 
 
-def measure(name: str) -> dict[str, int]:
+def measure(name: str) -> dict[str, dict[str, int]]:
     config, batch = MODELS[name]
     accelerator = Accelerator(cpu=True, parallelism="tp_size=2")
     torch.manual_seed(0)
@@ -73,7 +76,9 @@ def measure(name: str) -> dict[str, int]:
     model.zero_grad()
     with ElementCounter() as counter:
         model(x, y)[1].backward()
-    return dict(sorted(counter.elements.items()))
+    return {
+        key: {"calls": counter.calls[key], "elements": counter.elements[key]} for key in sorted(counter.calls)
+    }
 
 
 def launch(out: Path) -> dict:
@@ -96,15 +101,15 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         results = launch(Path(tmp) / "traffic.json")
-    print(f"{'model':<10} {'pass':<9} {'part':<7} {'collective':<24} {'elements':>9}")
+    print(f"{'model':<10} {'pass':<9} {'part':<7} {'collective':<24} {'calls':>5} {'elements':>10}")
     for name, rows in results.items():
-        for key, elements in rows.items():
+        for key, row in rows.items():
             step, part, collective = key.split(" ")
-            print(f"{name:<10} {step:<9} {part:<7} {collective:<24} {elements:>9,}")
+            print(f"{name:<10} {step:<9} {part:<7} {collective:<24} {row['calls']:>5} {row['elements']:>10,}")
         for step in ("forward", "backward"):
-            total = sum(v for k, v in rows.items() if k.startswith(step) and "all_gather" in k)
-            fused = sum(v for k, v in rows.items() if k.startswith(f"{step} c_attn") and "all_gather" in k)
-            print(f"{name:<10} {step:<9} all-gather elements: {total:,}, of them c_attn: {fused:,}")
+            gathers = {k: v["elements"] for k, v in rows.items() if k.startswith(step) and "all_gather" in k}
+            fused = sum(v for k, v in gathers.items() if " c_attn " in k)
+            print(f"{name:<10} {step:<9} all-gather elements: {sum(gathers.values()):,}, c_attn's: {fused:,}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(
         json.dumps({"machine": describe_machine(), "tp_size": 2, "models": results}, indent=1)
