@@ -111,6 +111,8 @@ _FUSED: weakref.WeakKeyDictionary[nn.Module, RowOrder] = weakref.WeakKeyDictiona
 
 
 def _module_hooks(module: nn.Linear, order: RowOrder) -> None:
+    """State-dict hooks translating `module`'s weight and bias (closures: a copy of the module, such as
+    a pipeline stage's, translates too)."""
     rows = module.out_features
 
     def saved(module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
