@@ -1,5 +1,6 @@
-"""Checkpoints through the Accelerator move between layouts: saved under ZeRO-3 (and a pipeline) on 2
-processes, loaded on 1 process, under ZeRO-3 and HSDP on 4, tensor parallel 2, a pipeline and DDP.
+"""Checkpoints through the Accelerator move between layouts: saved under ZeRO-3 (and a pipeline, and
+tensor parallel 2) on 2 processes, loaded on 1 process, under ZeRO-3, HSDP and dp_shard 2 x tp 2 on 4,
+tensor parallel 2, a pipeline and DDP.
 
 tests/workers/layout_checkpoint_worker.py trains a tiny GPT 2 steps, calls save_state and save_model,
 then trains a third step; each load restores the checkpoint under another layout and trains the same
@@ -33,15 +34,18 @@ LOADS = [  # (source layout, processes, target layout)
     ("zero3", 2, "ddp"),
     ("pp_size=2", 1, "ddp"),
     ("pp_size=2", 2, "zero3"),
+    ("tp_size=2", 1, "ddp"),  # the fused q|k|v's permuted rows (and momentum) back in the user's layout
+    ("tp_size=2", 4, "dp_shard_size=2,tp_size=2"),
 ]
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """Two checkpoints, written by 2 processes in one launch: under ZeRO-3 and as a 2-stage pipeline;
-    then every load of LOADS, one launch per number of processes."""
+    """Three checkpoints, written by 2 processes in one launch: under ZeRO-3, as a 2-stage pipeline and
+    under tensor parallel 2; then every load of LOADS, one launch per number of processes."""
     directories = {
-        layout: tmp_path_factory.mktemp(layout.replace("=", "")) for layout in ("zero3", "pp_size=2")
+        layout: tmp_path_factory.mktemp(layout.replace("=", ""))
+        for layout in ("zero3", "pp_size=2", "tp_size=2")
     }
     launch_ok(WORKER, 2, "save", *[arg for layout, path in directories.items() for arg in (layout, path)])
     for nproc in sorted({nproc for _, nproc, _ in LOADS}):
@@ -63,7 +67,7 @@ def test_a_checkpoint_loads_under_another_layout_and_training_goes_on(saved, sou
         assert max_diff(after, expected) < 1e-5, (source, nproc, target)
 
 
-@pytest.mark.parametrize("layout", ["zero3", "pp_size=2"])
+@pytest.mark.parametrize("layout", ["zero3", "pp_size=2", "tp_size=2"])
 def test_save_model_writes_the_consolidated_weights_from_a_sharded_or_split_layout(saved, layout):
     weights = load_file(saved[layout] / "weights" / "model.safetensors")
     at_save = torch.load(saved[layout] / "at_save.pt")

@@ -54,9 +54,10 @@ def _check_run(report: dict, name: str) -> None:
         if "tied" in run:  # the GPT: wte and lm_head stay one parameter
             assert run["tied"], (rank, name, run)
         if run.get("c_attn_is_dtensor"):
-            # the fused q|k|v is stored in its original layout: the plain row split, whole again on demand
+            # the fused q|k|v is a plain row split of its permuted rows; its state dict is the original
             assert run["c_attn_placements"] == "(Shard(dim=0),)", (rank, name, run)
-            assert run["c_attn_full_equals_original"], (rank, name, run)
+            assert run["c_attn_parameter_is_permuted"], (rank, name, run)
+            assert run["c_attn_state_equals_original"], (rank, name, run)
 
 
 @pytest.mark.parametrize(
@@ -109,6 +110,27 @@ def test_dcp_checkpoint_loads_into_a_plain_model_in_the_original_layout(report2,
     loaded = report["ranks"][0][key]
     assert loaded["keys_match"], loaded
     assert loaded["max_abs_diff"] == 0.0, loaded
+
+
+def test_the_fused_qkv_weight_never_moves(report2):
+    """Inside the fused projections no collective runs in forward, and in backward only the all-reduce of
+    their input's gradient (activations, as for every column-parallel layer): no all-gather or
+    reduce-scatter of the weight or its gradient. (Redistributing the weight to torch's _StridedShard in
+    every forward, as before, all-gathered it there in both passes: benchmarks/tp_traffic.py.)"""
+    for everything in report2["ranks"]:
+        fused = everything["collectives"]["fused"]
+        assert fused == {"backward all_reduce": 2}, fused  # 2 layers
+        assert everything["collectives"]["all_gather_into_tensor"] == 1  # the head's logits only
+
+
+def test_checkpoints_of_permuted_fused_rows_move_between_tp_and_one_process(report2):
+    """AdamW state and weights saved under tp=2 read into a plain model bit for bit (and the state is the
+    original layout's: near the plain run's), and a plain run's load into tp=2 bit for bit."""
+    for everything in report2["ranks"]:
+        loaded = everything["checkpoints"]
+        assert loaded["tp_to_plain_model"] == 0.0 and loaded["tp_to_plain_optimizer"] == 0.0, loaded
+        assert loaded["plain_to_tp_model"] == 0.0 and loaded["plain_to_tp_optimizer"] == 0.0, loaded
+        assert loaded["tp_optimizer_vs_reference"] < TOLERANCE["adamw"], loaded
 
 
 @pytest.mark.parametrize("fixture, name, tp", [("report2", "gpt_adamw", 2), ("report4", "tp4_adamw", 4)])

@@ -6,13 +6,11 @@ If a test here fails after a torch upgrade, the place named in its docstring is 
 
 from __future__ import annotations
 
-import inspect
 import subprocess
 import sys
 import textwrap
 
 import torch
-from torch.distributed.tensor.parallel import ColwiseParallel
 
 
 def test_device_mesh_flatten_names_a_flattened_dp_dimension():
@@ -34,27 +32,6 @@ def test_device_mesh_flatten_names_a_flattened_dp_dimension():
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
-
-
-def test_strided_shard_placement():
-    """unison.parallel.tensor.FusedColwiseParallel redistributes a fused q|k|v weight to _StridedShard."""
-    from torch.distributed.tensor.placement_types import _StridedShard
-
-    placement = _StridedShard(0, split_factor=3)
-    assert placement.dim == 0 and placement.split_factor == 3
-
-
-def test_colwise_parallel_hooks_that_fused_colwise_parallel_overrides_and_calls():
-    """FusedColwiseParallel subclasses ColwiseParallel: it overrides `_apply` (ParallelStyle's abstract
-    method, which parallelize_module calls) and calls `_partition_linear_fn` and `_prepare_input_fn`."""
-    assert list(inspect.signature(ColwiseParallel._apply).parameters) == ["self", "module", "device_mesh"]
-    assert "_apply" in torch.distributed.tensor.parallel.style.ParallelStyle.__abstractmethods__
-    partition = inspect.signature(ColwiseParallel._partition_linear_fn).parameters
-    assert list(partition) == ["self", "name", "module", "device_mesh"]
-    prepare = list(inspect.signature(ColwiseParallel._prepare_input_fn).parameters)
-    assert prepare[-4:] == ["desired_input_layouts", "mod", "inputs", "device_mesh"]
-    style = ColwiseParallel()
-    assert hasattr(style, "input_layouts") and hasattr(style, "desired_input_layouts")
 
 
 def test_pytree_functions():

@@ -501,6 +501,10 @@ class Accelerator(
             from .parallel.zero import shard_optimizer_state  # FSDP2's import cost only where used
 
             optimizer = shard_optimizer_state(optimizer, self.device_mesh["dp_shard"])
+        if (layout.tp_size or 1) > 1:  # state of permuted fused projections saved in the model's own layout
+            from .parallel.fused import keep_user_layout_in_optimizer
+
+            keep_user_layout_in_optimizer(optimizer)
         prepared = AcceleratedOptimizer(optimizer, scaler=self.precision.scaler)
         self._remember(optimizer, prepared)
         self._optimizers.append(prepared)

@@ -31,14 +31,20 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from tiny_gpt import gpt_model, llama_model, local_bytes, make_optimizer, make_tiny_gpt, unique_params
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.debug import CommDebugMode
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, loss_parallel
 
 from unison import PartialState
+from unison.checkpoint import sharded
 from unison.parallel.ddp import skip_gradient_sync
+from unison.parallel.fused import keep_user_layout_in_optimizer
 from unison.parallel.tensor import apply_tensor_parallel, tensor_parallel_plan, total_grad_norm
 from unison.parallel.zero import apply_zero
 
@@ -105,10 +111,11 @@ def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return [(t[:, :-1].contiguous(), t[:, 1:].contiguous()) for t in tokens]
 
 
-_references: dict[tuple[str, str], dict[str, torch.Tensor]] = {}
+_references: dict[tuple[str, str], tuple[nn.Module, torch.optim.Optimizer]] = {}
 
 
-def reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
+def reference_run(model_name: str, optimizer_name: str) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """The model and optimizer trained alone on the whole batch (once per pair)."""
     key = (model_name, optimizer_name)
     if key not in _references:
         model = make_model(model_name)
@@ -117,8 +124,12 @@ def reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
             model(x, y)[1].backward()
             optimizer.step()
             optimizer.zero_grad()
-        _references[key] = {k: v.detach() for k, v in model.state_dict().items()}
+        _references[key] = model, optimizer
     return _references[key]
+
+
+def reference(model_name: str, optimizer_name: str) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in reference_run(model_name, optimizer_name)[0].state_dict().items()}
 
 
 def memory(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, int]:
@@ -165,7 +176,9 @@ def max_diff(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> flo
     return max((got[k].float() - want[k].float()).abs().max().item() for k in want)
 
 
-def run(spec: dict, meshes: dict, rank_in_dp: int, dp_size: int) -> tuple[dict, nn.Module]:
+def run(
+    spec: dict, meshes: dict, rank_in_dp: int, dp_size: int
+) -> tuple[dict, nn.Module, torch.optim.Optimizer]:
     start = time.perf_counter()
     model_name = spec.get("model", "gpt")
     model = make_model(model_name)
@@ -184,17 +197,24 @@ def run(spec: dict, meshes: dict, rank_in_dp: int, dp_size: int) -> tuple[dict, 
         result["tied"] = model.transformer.wte.weight is model.lm_head.weight
         result["c_attn_is_dtensor"] = isinstance(attn.weight, DTensor)
         if isinstance(attn.weight, DTensor):
-            # stored as the plain Shard(0) of the ORIGINAL matrix: full_tensor gives it back as it was
+            # stored as a plain Shard(0) of its rows permuted so that each rank holds [q_r|k_r|v_r]; the
+            # state dict gives the ORIGINAL matrix back
             result["c_attn_placements"] = str(attn.weight.placements)
-            result["c_attn_full_equals_original"] = torch.equal(
-                attn.weight.full_tensor(), initial["transformer.h.0.attn.c_attn.weight"]
-            ) and torch.equal(attn.bias.full_tensor(), initial["transformer.h.0.attn.c_attn.bias"])
+            state = model.state_dict()
+            weight, bias = "transformer.h.0.attn.c_attn.weight", "transformer.h.0.attn.c_attn.bias"
+            result["c_attn_state_equals_original"] = torch.equal(
+                state[weight].full_tensor(), initial[weight]
+            ) and torch.equal(state[bias].full_tensor(), initial[bias])
+            result["c_attn_parameter_is_permuted"] = not torch.equal(
+                attn.weight.full_tensor(), initial[weight]
+            )
     if spec.get("zero"):
         apply_zero(model, spec["zero"], mesh=meshes["dp_shard"])
     per_rank = GLOBAL_BATCH // dp_size
     rows = slice(rank_in_dp * per_rank, (rank_in_dp + 1) * per_rank)
     optimizer_name = spec.get("optimizer", "sgd")
     optimizer = make_optimizer(optimizer_name, model.parameters())
+    keep_user_layout_in_optimizer(optimizer)  # as prepare() does
     result["memory"] = train(
         model, optimizer, rows, spec.get("acc", 1), spec.get("lp", False), bool(spec.get("zero"))
     )
@@ -203,7 +223,7 @@ def run(spec: dict, meshes: dict, rank_in_dp: int, dp_size: int) -> tuple[dict, 
     expected = reference(model_name, optimizer_name)
     result["keys_match"] = sorted(full) == sorted(expected)
     result["max_abs_diff"] = max_diff(full, expected)
-    return result, model
+    return result, model, optimizer
 
 
 def check_dcp_into_plain_model(model: nn.Module, model_name: str, directory: Path, rank: int) -> dict:
@@ -218,6 +238,58 @@ def check_dcp_into_plain_model(model: nn.Module, model_name: str, directory: Pat
         dcp.load(state, checkpoint_id=directory, no_dist=True)
         result = {"keys_match": sorted(state) == sorted(full), "max_abs_diff": max_diff(state, full)}
     dist.barrier()
+    return result
+
+
+def full_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    options = StateDictOptions(full_state_dict=True, flatten_optimizer_state_dict=True)
+    state = get_optimizer_state_dict(model, optimizer, options=options)
+    return {k: v for k, v in state.items() if k.startswith("state.") and not k.endswith(".step")}
+
+
+def check_checkpoints_cross_layouts(
+    model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path
+) -> dict:
+    """The AdamW GPT trained under tp=2 (fused c_attn rows permuted in its parameters) saved through
+    unison's DCP parts, read on every rank into a plain model and optimizer (no process group); and
+    the plain reference's model and optimizer, saved by process 0 alone, loaded into a fresh tp=2
+    model and optimizer. Each must equal what was saved bit for bit, in the original layout."""
+    sharded.save_model_state(model, directory / "tp_model")
+    sharded.save_optimizer_state(model, optimizer, directory / "tp_optimizer")
+    reference_model, reference_optimizer = reference_run("gpt", "adamw")
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    if dist.get_rank() == 0:
+        dcp.save(get_model_state_dict(reference_model), checkpoint_id=directory / "plain_model", no_dist=True)
+        state = get_optimizer_state_dict(reference_model, reference_optimizer, options=flat)
+        dcp.save(state, checkpoint_id=directory / "plain_optimizer", no_dist=True)
+    dist.barrier()
+    result = {}
+    # tp=2 -> plain
+    plain = make_model("gpt")
+    plain_optimizer = make_optimizer("adamw", plain.parameters())
+    model_state = get_model_state_dict(plain)
+    dcp.load(model_state, checkpoint_id=directory / "tp_model", no_dist=True)
+    optimizer_state = get_optimizer_state_dict(plain, plain_optimizer, options=flat)
+    dcp.load(optimizer_state, checkpoint_id=directory / "tp_optimizer", no_dist=True)
+    saved_optimizer = full_optimizer_state(model, optimizer)
+    result["tp_to_plain_model"] = max_diff(model_state, full_state(model))
+    result["tp_to_plain_optimizer"] = max_diff(optimizer_state, saved_optimizer)
+    # the state is the original layout's, not the parameters' permuted rows: near the plain run's
+    result["tp_optimizer_vs_reference"] = max_diff(
+        saved_optimizer, full_optimizer_state(reference_model, reference_optimizer)
+    )
+    # plain -> tp=2
+    tp_model = apply_tensor_parallel(make_model("gpt"), model.transformer.h[0].attn.c_attn.weight.device_mesh)
+    tp_optimizer = make_optimizer("adamw", tp_model.parameters())
+    keep_user_layout_in_optimizer(tp_optimizer)
+    sharded.apply_model_state(tp_model, sharded.read_model_state(tp_model, directory / "plain_model"))
+    loaded = sharded.read_optimizer_state(tp_model, tp_optimizer, directory / "plain_optimizer")
+    sharded.apply_optimizer_state(tp_model, tp_optimizer, loaded)
+    result["plain_to_tp_model"] = max_diff(full_state(tp_model), reference("gpt", "adamw"))
+    result["plain_to_tp_optimizer"] = max_diff(
+        full_optimizer_state(tp_model, tp_optimizer),
+        full_optimizer_state(reference_model, reference_optimizer),
+    )
     return result
 
 
@@ -244,13 +316,23 @@ def check_grad_norm(meshes: dict, rank_in_dp: int, dp_size: int, zero: int | Non
     return {"got": total_grad_norm(model.parameters()).item(), "want": want.item()}
 
 
-def collectives_per_step(model: nn.Module) -> dict[str, int]:
-    """Collectives one forward + backward of the GPT under TP issues (for the guide's table)."""
+def collectives_per_step(model: nn.Module) -> dict:
+    """Collectives one forward + backward of the GPT under TP issues (for the guide's table), and
+    under "fused" those issued inside the fused q|k|v projections (their weights must not move)."""
     x, y = batches()[0]
     with CommDebugMode() as comm:
         model(x, y)[1].backward()
     model.zero_grad()
-    return {str(op).rsplit(".", 1)[-1]: count for op, count in comm.get_comm_counts().items()}
+    counts = {str(op).rsplit(".", 1)[-1]: count for op, count in comm.get_comm_counts().items()}
+    fused: dict[str, int] = {}  # "pass op" -> count inside the c_attn modules
+    for module, passes in comm.comm_module_counts.items():
+        if module.endswith("c_attn"):
+            for step, ops in passes.items():
+                for op, count in ops.items():
+                    key = f"{step} {str(op).rsplit('.', 1)[-1]}"
+                    fused[key] = fused.get(key, 0) + count
+    counts["fused"] = fused
+    return counts
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -280,7 +362,9 @@ def two_processes(rank: int, out_dir: Path) -> dict:
     }
     runs = {}
     for name, spec in specs.items():
-        runs[name], model = run(spec, meshes, 0, 1)
+        runs[name], model, optimizer = run(spec, meshes, 0, 1)
+        if name == "gpt_adamw":
+            extra["checkpoints"] = check_checkpoints_cross_layouts(model, optimizer, out_dir / "cross")
         if name == "gpt_sgd":
             extra["dcp_tp2_to_plain"] = check_dcp_into_plain_model(model, "gpt", out_dir / "dcp_tp2", rank)
             extra["collectives"] = collectives_per_step(model)
@@ -305,14 +389,14 @@ def four_processes(rank: int, out_dir: Path) -> dict:
         "tp4_sgd": {"model": "gpt4heads"},
         "tp4_adamw": {"model": "gpt4heads", "optimizer": "adamw"},
     }.items():
-        runs[name], _ = run(spec, tp4, 0, 1)
+        runs[name], _, _ = run(spec, tp4, 0, 1)
     for name, spec in {
         "dp2_tp2_zero3_sgd": {"zero": 3},
         "dp2_tp2_zero3_adamw": {"zero": 3, "optimizer": "adamw"},
         "dp2_tp2_zero2_sgd": {"zero": 2},
         "dp2_tp2_zero3_sgd_acc2_sp_lp": {"zero": 3, "acc": 2, "sp": True, "lp": True},
     }.items():
-        runs[name], model = run(spec, dp_tp, dp_rank, 2)
+        runs[name], model, _ = run(spec, dp_tp, dp_rank, 2)
         if name == "dp2_tp2_zero3_sgd":
             extra["dcp_dp2_tp2_to_plain"] = check_dcp_into_plain_model(
                 model, "gpt", out_dir / "dcp_dp2_tp2", rank

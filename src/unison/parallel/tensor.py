@@ -7,12 +7,10 @@ builds that plan for the layouts it recognises by their module names; any other 
 docs/tensor-parallel.md explains the choices; in short:
 
 - Fused q|k|v (GPT-2's `c_attn`, split with `chunk(3, dim=-1)`): rank r must compute q_r, k_r and v_r,
-  where a plain column split would give rank 0 the first 3E/T rows. `FusedColwiseParallel` stores the
-  weight as the plain `Shard(0)` of the original matrix and redistributes it in forward to
-  `_StridedShard(0, split_factor=3)`. Stored strided, DCP refuses the parameter (a rank's rows are not
-  one block) and FSDP2's split of it has no DTensor placement (wrong full tensors); stored plain, the
-  checkpoints, `full_tensor()`, FSDP2 and the optimizer state all see the original layout, for one
-  all-gather of the weight in forward and of its gradient in backward per layer.
+  where a plain column split would give rank 0 the first 3E/T rows. `FusedColwiseParallel` marks such
+  a projection; its rows are permuted once, before the plan is applied, so that the plain split gives
+  each rank [q_r|k_r|v_r] (`unison.parallel.fused`): no weight traffic in forward or backward, and its
+  state dicts translate back, so checkpoints hold the original layout.
 - The token embedding (`RowwiseParallel`) and the head (`ColwiseParallel`) are both split over the
   vocabulary, rows `Shard(0)` of the same matrix, so a tied pair is re-tied as one parameter.
   `loss_parallel=True` leaves the logits a vocabulary-sharded DTensor: the cross-entropy and its
@@ -28,16 +26,14 @@ then `unison.parallel.zero.apply_zero(model, stage, mesh=mesh["dp_shard"])` on t
 from __future__ import annotations
 
 import logging
-import types
 from collections.abc import Iterable, Mapping
 from fnmatch import fnmatch
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -46,7 +42,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 from torch.distributed.tensor.parallel.style import ParallelStyle
-from torch.distributed.tensor.placement_types import Placement
+
+from .fused import FusedColwiseParallel, permute_fused_projections
 
 logger = logging.getLogger("unison")
 
@@ -56,63 +53,6 @@ _PLAN_EXAMPLE = (
     "(styles from torch.distributed.tensor.parallel; use unison.parallel.tensor.FusedColwiseParallel "
     "for a projection whose output is several blocks side by side, such as a fused q|k|v)"
 )
-
-
-class FusedColwiseParallel(ColwiseParallel):
-    """Column parallel for a Linear whose output is `parts` equal blocks side by side (q|k|v, gate|up).
-
-    The weight and bias are stored as the plain `Shard(0)` of the original matrix (so checkpoints,
-    `full_tensor()` and FSDP2 see the original layout); forward redistributes them to
-    `_StridedShard(0, split_factor=parts)`, giving this rank's rows of every block, so the local
-    output is [block_0 share | block_1 share | ...] and `chunk(parts, dim=-1)` splits it as on one
-    device. See the module docstring for why the parameter itself is not stored strided.
-    """
-
-    def __init__(
-        self, parts: int = 3, *, input_layouts: Placement | None = None, use_local_output: bool = True
-    ):
-        super().__init__(input_layouts=input_layouts, use_local_output=use_local_output)
-        if parts < 2:
-            raise ValueError(
-                f"FusedColwiseParallel(parts={parts}): a fused projection has at least 2 blocks; "
-                "use ColwiseParallel for a single one."
-            )
-        self.parts = parts
-
-    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        if not isinstance(module, nn.Linear):
-            raise TypeError(
-                f"FusedColwiseParallel applies to nn.Linear, got {type(module).__name__}. "
-                "Give it the fused projection (e.g. attn.c_attn)."
-            )
-        # private: the placement "this rank's rows of every block" (tests/test_torch_private_apis.py)
-        from torch.distributed.tensor.placement_types import _StridedShard
-
-        distribute_module(
-            module,
-            device_mesh,
-            self._partition_linear_fn,
-            lambda mod, inputs, mesh: self._prepare_input_fn(
-                self.input_layouts, self.desired_input_layouts, mod, inputs, mesh
-            ),
-            # the strided output is the layout the caller wants: unlike ColwiseParallel, no redistribution
-            lambda mod, outputs, mesh: outputs.to_local() if self.use_local_output else outputs,
-        )
-        layout = (_StridedShard(0, split_factor=self.parts),)
-
-        def forward(linear: nn.Linear, x: DTensor) -> DTensor:
-            weight = linear.weight.redistribute(placements=layout)
-            bias = None if linear.bias is None else linear.bias.redistribute(placements=layout)
-            return F.linear(x, weight, bias)
-
-        module.forward = types.MethodType(forward, module)
-        return module
-
-    def __repr__(self) -> str:
-        return (
-            f"{type(self).__name__}(parts={self.parts}, input_layouts={self.input_layouts}, "
-            f"use_local_output={self.use_local_output})"
-        )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -563,7 +503,9 @@ def apply_tensor_parallel(
     `plan`: module-name pattern -> ParallelStyle; None builds the built-in plan for the model's layout
     with `sequence_parallel` / `loss_parallel` (see `tensor_parallel_plan`). A given plan is used as
     it is, so those two flags must stay False with it. Sizes and head counts are checked against the
-    TP degree before any communication. The model must be on its device; build the optimizer after.
+    TP degree before any communication. The model must be on its device; build the optimizer after
+    (and give it to `unison.parallel.fused.keep_user_layout_in_optimizer`, as prepare() does, for
+    checkpoints of its state in the model's original layout).
     """
     if plan is not None and (sequence_parallel or loss_parallel):
         raise ValueError(
@@ -581,6 +523,13 @@ def apply_tensor_parallel(
         plan = tensor_parallel_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     plan = check_tensor_parallel(model, tp, plan)
     tied = _tied_locations(model)
+    fused = {
+        name: (module, style.parts)
+        for pattern, style in plan.items()
+        if isinstance(style, FusedColwiseParallel)
+        for name, module in matching_modules(model, pattern)
+    }
+    permute_fused_projections(fused, tp)  # then the plain column split gives each rank its heads
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)
     _broadcast_replicated(model, tp_mesh)
