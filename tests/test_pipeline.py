@@ -145,10 +145,9 @@ def test_stages_chained_compute_the_plain_forward_and_backward(n_layer, pp_size,
         ),
         key=lambda pair: pair[0],
     )
-    activation = x
-    for _, stage in stages:
-        stage.set_micro_inputs((x,))
-        activation = stage(activation)
+    activation = ()
+    for _, stage in stages:  # every stage gets the model's inputs; the later ones the activations too
+        activation = stage(*(activation if isinstance(activation, tuple) else (activation,)), inputs=(x,))
     logits, loss = stages[-1][1].rebuild_output(activation)
     assert loss is None and torch.allclose(logits, expected_logits, atol=1e-6)
     logits.sum().backward()  # the stages are the model's own modules: gradients land on them
@@ -189,12 +188,11 @@ def test_eval_and_train_reach_the_models_own_forward_in_every_stage():
     model = ScaledInTraining()
     ((_, last),) = split_model(model, 1, 2, ["blocks.1"], "gpipe")
     x = torch.randn(3, 4)
-    last.set_micro_inputs([x])
     hidden = model.blocks[0](x).detach()
     last.eval()
-    assert torch.allclose(last(hidden), model.eval()(x))
+    assert torch.allclose(last(hidden, inputs=(x,)), model.eval()(x))
     last.train()
-    assert torch.allclose(last(hidden), model.train()(x))
+    assert torch.allclose(last(hidden, inputs=(x,)), model.train()(x))
 
 
 @pytest.mark.parametrize(
@@ -234,7 +232,8 @@ class _ScaledBlock(nn.Module):
 
 
 class _SharedScale(nn.Module):
-    """Computes `scale` next to the embedding and hands it to every block: it cannot cross a split."""
+    """Computes `scale` from the embedding's output and hands it to every block: a later stage, which
+    recomputes what comes before the blocks from the inputs alone, cannot have it."""
 
     def __init__(self, keyword: bool):
         super().__init__()
@@ -251,16 +250,16 @@ class _SharedScale(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("keyword", "message"), [(False, "computed before the stage's first"), (True, "keyword")]
+    ("keyword", "message"),
+    [(False, "blocks.2 on pipeline stage 1 gets 'positional argument 1'"), (True, "blocks.1 .* gets 'scale'")],
 )
-def test_values_that_cannot_cross_a_split_are_refused(keyword, message):
+def test_values_computed_from_an_earlier_stages_output_are_refused(keyword, message):
     model = _SharedScale(keyword)
     (_, first), (_, second) = (split_model(model, r, 2, ["blocks.1"], "gpipe")[0] for r in range(2))
     x = torch.ones(2, 4)
-    with pytest.raises(ValueError, match=message):
-        sent = first(x)  # the keyword form stops here: the split block's inputs are not all positional
-        second.set_micro_inputs((x,))
-        second(*sent)  # block 1 gets (h, scale) from stage 0; block 2 would get stage 0's scale
+    sent = first(inputs=(x,))  # positional: (h, scale) travel; by keyword: h only
+    with pytest.raises(ValueError, match=f"{message} computed before the model's blocks"):
+        second(*(sent if isinstance(sent, tuple) else (sent,)), inputs=(x,))
 
 
 class _Guarded(nn.Module):
@@ -284,10 +283,9 @@ def test_a_models_own_except_exception_does_not_swallow_the_stage_boundary():
     x = torch.randn(2, 4)
     expected = model(x)
     (_, first), (_, second) = (split_model(model, r, 2, None, "gpipe")[0] for r in range(2))
-    handed_over = first(x)
+    handed_over = first(inputs=(x,))
     assert torch.allclose(handed_over, model.blocks[1](model.blocks[0](x)))  # stage 0 stops at block 2
-    second.set_micro_inputs((x,))
-    assert torch.allclose(second.rebuild_output(second(handed_over)), expected)
+    assert torch.allclose(second.rebuild_output(second(handed_over, inputs=(x,))), expected)
 
 
 def test_pipeline_bubble_fraction():
