@@ -91,5 +91,6 @@ def test_llama_stages_hold_their_own_modules_and_the_shared_stateless_ones():
     assert set(first.state_dict()).isdisjoint(last.state_dict())
     assert set(first.state_dict()) | set(last.state_dict()) == set(model.state_dict())
     # the built-in tensor-parallel plan sees each stage's own modules only
-    assert "model.embed_tokens" in tensor_parallel_plan(first) and "lm_head" not in tensor_parallel_plan(first)
-    assert "lm_head" in tensor_parallel_plan(last) and "model.embed_tokens" not in tensor_parallel_plan(last)
+    first_plan, last_plan = tensor_parallel_plan(first), tensor_parallel_plan(last)
+    assert "model.embed_tokens" in first_plan and "lm_head" not in first_plan
+    assert "lm_head" in last_plan and "model.embed_tokens" not in last_plan

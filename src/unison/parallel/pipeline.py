@@ -95,6 +95,14 @@ class PipelineModel(nn.Module):
             "model.evaluate(inputs, target, loss_fn) for a forward-only loss."
         )
 
+    def train(self, mode: bool = True) -> PipelineModel:
+        """nn.Module.train, for the stages too: each runs the model's own forward on its copy of the
+        model's root, which is no child of ours, and that forward may branch on `self.training`."""
+        super().train(mode)
+        for stage in self.stage_modules:
+            stage.train(mode)
+        return self
+
     def norm_parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, a tied weight kept on one rank only: summing the squared gradient
         norms of these over the pipeline ranks counts every weight of the model once (for clipping)."""

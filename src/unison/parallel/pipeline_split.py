@@ -423,4 +423,3 @@ def split_model(
         "; ".join(f"stage {s}: {', '.join(paths)}" for s, paths in enumerate(pieces)),
     )
     return [(stage.stage_index, stage) for stage in stages]
-

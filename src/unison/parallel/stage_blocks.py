@@ -81,7 +81,8 @@ class StageRun:
         earlier stage's stand-in: it was computed before the split from the embeddings' output."""
         if not self.check_now:
             return
-        named = [*((f"positional argument {i}", a) for i, a in enumerate(args) if i >= first), *kwargs.items()]
+        positional = [(f"positional argument {i}", a) for i, a in enumerate(args) if i >= first]
+        named = [*positional, *kwargs.items()]
         for name, value in named:
             if _any_nan(value):
                 raise ValueError(
@@ -122,7 +123,8 @@ class _NextStage:
         try:
             return self.__dict__["attributes"][name]
         except KeyError:
-            raise AttributeError(f"{self.path} (on the next pipeline stage) has no plain attribute {name!r}")
+            message = f"{self.path} (on the next pipeline stage) has no plain attribute {name!r}"
+            raise AttributeError(message) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
         if not args or not all(isinstance(a, torch.Tensor) for a in args):
@@ -136,7 +138,8 @@ class _NextStage:
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, Any]:
-    return {k: v for k, v in vars(module).items() if not k.startswith("_") and not isinstance(v, torch.Tensor)}
+    items = vars(module).items()
+    return {k: v for k, v in items if not k.startswith("_") and not isinstance(v, torch.Tensor)}
 
 
 class _StageBlocks:
