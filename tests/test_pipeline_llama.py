@@ -4,9 +4,9 @@
 Llama hands the rotary tables, the causal mask and the position ids it computes before its first layer
 to every layer by keyword; each pipeline stage recomputes them from its micro-batch's inputs
 (unison.parallel.pipeline_split). Two launches of tests/workers/hf_llama_worker.py train it against one
-process with SGD+momentum and accumulation: 2 processes (pp_size=2 with 1F1B and interleaved, tp_size=2,
+process with SGD+momentum and accumulation: 2 processes (pp_size=2, tp_size=2 with the built-in plan,
 zero3) and 4 processes (pp_size=2 x dp_shard_size=2, pp_size=2 x tp_size=2). The in-process tests chain
-the stages by hand against the plain model.
+the stages by hand against the plain model (1F1B, interleaved and 4-stage splits).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from unison.parallel.pipeline import split_model  # noqa: E402
 from unison.parallel.tensor import tensor_parallel_plan  # noqa: E402
 
 LAYOUTS = {
-    2: ["pp_size=2", "pp_size=2,pp_schedule=interleaved,pp_microbatches=2", "tp_size=2", "zero3"],
+    2: ["pp_size=2", "tp_size=2", "zero3"],
     4: ["pp_size=2,dp_shard_size=2", "pp_size=2,tp_size=2"],
 }
 
