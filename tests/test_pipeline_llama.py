@@ -94,3 +94,35 @@ def test_llama_stages_hold_their_own_modules_and_the_shared_stateless_ones():
     first_plan, last_plan = tensor_parallel_plan(first), tensor_parallel_plan(last)
     assert "model.embed_tokens" in first_plan and "lm_head" not in first_plan
     assert "lm_head" in last_plan and "model.embed_tokens" not in last_plan
+
+
+SMALL = dict(
+    vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4
+)
+OTHERS = {  # Hugging Face decoders built like Llama, and GPT-2, whose blocks take Nones positionally
+    "Mistral": {**SMALL, "num_key_value_heads": 2},
+    "Qwen2": {**SMALL, "num_key_value_heads": 2},
+    "Gemma2": {**SMALL, "num_key_value_heads": 2, "head_dim": 16},  # sliding-window layers, softcapping
+    "GPTNeoX": SMALL,
+    "GPT2": dict(vocab_size=128, n_embd=64, n_layer=4, n_head=4, bos_token_id=0, eos_token_id=0),
+}
+
+
+@pytest.mark.parametrize("name", OTHERS)
+def test_stages_of_other_hugging_face_decoders_compute_their_forward(name):
+    config = getattr(transformers, f"{name}Config")(**OTHERS[name], use_cache=False)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}LMHeadModel" if name == "GPT2" else f"{name}ForCausalLM")(config)
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(0))
+    inputs = (ids,) if name == "GPT2" else (ids, torch.ones_like(ids))  # GPT-2: past_key_values second
+    _, output = chained(model.eval(), 2, "1f1b", inputs)
+    assert torch.allclose(output.logits, model(*inputs).logits, atol=1e-6)
+
+
+def test_a_module_with_weights_registered_before_the_blocks_but_called_after_is_refused():
+    """OPT registers its final layer norm before its layers: the first stage would own it."""
+    config = transformers.OPTConfig(**{**SMALL, "ffn_dim": 128}, word_embed_proj_dim=64, use_cache=False)
+    model = transformers.OPTForCausalLM(config)
+    ids = torch.randint(0, 128, (2, 16))
+    with pytest.raises(RuntimeError, match="final_layer_norm holds weights and is registered before"):
+        chained(model, 2, "1f1b", (ids,))

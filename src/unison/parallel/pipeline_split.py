@@ -216,9 +216,11 @@ class _EarlierStandIn:
     def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         if self.run.entered:
             raise RuntimeError(
-                f"{self.path} belongs to pipeline stage 0 but runs after this stage's first block: the "
-                "model's forward calls it again after its blocks, which a pipeline split cannot serve. "
-                "Register a separate module for that second use."
+                f"{self.path} holds weights and is registered before the block list, so it belongs to "
+                "pipeline stage 0, but the model's forward calls it after its blocks (stages own such "
+                "modules by registration order: before the block list, the first stage; after it, the "
+                f"last). Register {self.path} after the block list, or use a separate module for a "
+                "second use after the blocks."
             )
         like = self.run.received[0]
         return torch.full_like(like, float("nan")) if like.is_floating_point() else torch.zeros_like(like)

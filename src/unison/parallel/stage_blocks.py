@@ -106,15 +106,29 @@ class _BlockCall:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if self.entry:
-            args, self.run.entered = self.run.received, True
+            args, self.run.entered = self._with_received(args), True
         self.run.refuse_stand_in_values(self.path, args, kwargs, len(args) if self.entry else 1)
         return self.block(*args, **kwargs)
 
+    def _with_received(self, args: tuple) -> tuple:
+        """The positional arguments with their tensors, in order, replaced by the received ones (the
+        others, e.g. Hugging Face GPT-2's positional Nones, are the model's own on this stage too)."""
+        count = sum(isinstance(a, torch.Tensor) for a in args)
+        if count != len(self.run.received):
+            raise ValueError(
+                f"{self.path} on pipeline stage {self.run.stage_index} is called with {count} positional "
+                f"tensors, but the previous stage sent {len(self.run.received)}: the model must call its "
+                "blocks the same way on every stage."
+            )
+        received = iter(self.run.received)
+        return tuple(next(received) if isinstance(a, torch.Tensor) else a for a in args)
+
 
 class _NextStage:
-    """Stands where the next stage's first block is called: ends the forward, handing its positional
-    arguments on (its keyword arguments are recomputed on the next stage). Answers reads of that
-    block's plain attributes (a snapshot taken at the split), since the model may read them first."""
+    """Stands where the next stage's first block is called: ends the forward, handing the tensors among
+    its positional arguments on (the rest, and its keyword arguments, are the model's own on the next
+    stage too). Answers reads of that block's plain attributes (a snapshot taken at the split), since
+    the model may read them first."""
 
     def __init__(self, path: str, attributes: dict[str, Any], run: StageRun):
         self.path, self.attributes, self.run = path, attributes, run
@@ -127,14 +141,14 @@ class _NextStage:
             raise AttributeError(message) from None
 
     def __call__(self, *args: Any, **kwargs: Any) -> None:
-        if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        if not args or not isinstance(args[0], torch.Tensor):
             raise ValueError(
                 f"{self.path}, where a pipeline stage begins, is called with positional arguments of types "
-                f"{[type(a).__name__ for a in args]}: only positional tensors travel between stages. "
-                "Pass the activations positionally (keyword arguments are recomputed on every stage)."
+                f"{[type(a).__name__ for a in args]}: the activations must come first, as a tensor (the "
+                "positional tensors travel between stages; keyword arguments are recomputed on each)."
             )
         self.run.refuse_stand_in_values(self.path, args, {}, 1)
-        raise StageExit(args)
+        raise StageExit(tuple(a for a in args if isinstance(a, torch.Tensor)))
 
 
 def _plain_attributes(module: nn.Module) -> dict[str, Any]:
