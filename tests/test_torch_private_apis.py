@@ -58,7 +58,7 @@ def test_colwise_parallel_hooks_that_fused_colwise_parallel_overrides_and_calls(
 
 
 def test_pytree_functions():
-    """unison.parallel.apply and pipeline_split walk nested batches with torch.utils._pytree."""
+    """unison.parallel.apply, pipeline_split and stage_blocks walk nested values with torch.utils._pytree."""
     from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
     batch = {"x": torch.ones(2), "y": (torch.zeros(1), [3])}

@@ -7,9 +7,9 @@ activation checkpointing and compile see and wrap as usual. During the stage's f
 (`for block in self.layers`, `self.layers[:n]`, nn.Sequential's own forward) yields, in order:
 
 - this stage's blocks, the first of them (on a later stage) called with the activations received from
-  the previous stage in place of its positional arguments;
+  the previous stage in place of the tensors among its positional arguments;
 - on every stage but the last, a stand-in for the next stage's first block that ends the forward,
-  handing that call's positional arguments to the stage (`StageExit`), to be sent on.
+  handing the tensors among that call's positional arguments to the stage (`StageExit`), to be sent on.
 
 The other stages' blocks are skipped, as torchtitan's models skip the layers a stage deleted.
 """
@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten
 
 
 class StageExit(BaseException):
-    """Raised where the next stage's first block is called; args[0]: that call's positional inputs.
+    """Raised where the next stage's first block is called; args[0]: that call's positional tensors.
 
     A BaseException, as StopIteration's cousins GeneratorExit and KeyboardInterrupt are: it ends the
     stage's forward, it is no error, and a model's own `except Exception:` around its blocks (a
