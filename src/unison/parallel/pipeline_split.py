@@ -15,8 +15,8 @@ own order, once per micro-batch:
   slicing it, as Hugging Face's `self.layers[: config.num_hidden_layers]` does) yields them alone: the
   model's loop skips the other stages' blocks, as torchtitan's models skip deleted layers;
 - the stage's first block is called with the activations received from the previous stage in place
-  of its positional arguments; where the next stage's first block would be called, the forward stops
-  and that call's positional arguments are sent on;
+  of the tensors among its positional arguments; where the next stage's first block would be called,
+  the forward stops and the tensors among that call's positional arguments are sent on;
 - everything the model computes before its blocks from its inputs alone is RECOMPUTED on every stage:
   each stage gets the micro-batch's model inputs (torch's schedules hand keyword arguments to every
   stage), and the parameter-free modules (rotary embeddings, dropout) are on every stage. So the rotary
@@ -32,9 +32,9 @@ arguments of the call at the split travel) is NaN there, which the first forward
 checks for and refuses with an error naming the block and the argument.
 
 Why not torch's tracer (`pipeline()` + SplitPoint)? Its stages are graphs of aten ops (no `nn.Linear`
-left), so tensor parallel cannot be applied to them, and Hugging Face models do not all trace. And
-why not torchtitan's model code as it is? It needs a forward written to tolerate missing layers
-(`if self.tok_embeddings`), which Hugging Face's and users' models are not.
+left), so tensor parallel cannot be applied to them. And why not torchtitan's model code as it is? It
+needs a forward written to tolerate missing layers (`if self.tok_embeddings`), which Hugging Face's and
+users' models are not.
 
 Weights that several stages hold (a tied embedding) are recorded on each stage module (`tied`), so that
 phase 2 can sum their gradients over the ranks that hold them.
