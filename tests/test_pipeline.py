@@ -8,7 +8,9 @@ its stage modules are chained by hand in-process against the plain model.
 
 from __future__ import annotations
 
+import gc
 import json
+import weakref
 
 import pytest
 import torch
@@ -145,10 +147,9 @@ def test_stages_chained_compute_the_plain_forward_and_backward(n_layer, pp_size,
         ),
         key=lambda pair: pair[0],
     )
-    activation = x
-    for _, stage in stages:
-        stage.set_micro_inputs((x,))
-        activation = stage(activation)
+    activation = ()
+    for _, stage in stages:  # every stage gets the model's inputs; the later ones the activations too
+        activation = stage(*(activation if isinstance(activation, tuple) else (activation,)), inputs=(x,))
     logits, loss = stages[-1][1].rebuild_output(activation)
     assert loss is None and torch.allclose(logits, expected_logits, atol=1e-6)
     logits.sum().backward()  # the stages are the model's own modules: gradients land on them
@@ -189,12 +190,11 @@ def test_eval_and_train_reach_the_models_own_forward_in_every_stage():
     model = ScaledInTraining()
     ((_, last),) = split_model(model, 1, 2, ["blocks.1"], "gpipe")
     x = torch.randn(3, 4)
-    last.set_micro_inputs([x])
     hidden = model.blocks[0](x).detach()
     last.eval()
-    assert torch.allclose(last(hidden), model.eval()(x))
+    assert torch.allclose(last(hidden, inputs=(x,)), model.eval()(x))
     last.train()
-    assert torch.allclose(last(hidden), model.train()(x))
+    assert torch.allclose(last(hidden, inputs=(x,)), model.train()(x))
 
 
 @pytest.mark.parametrize(
@@ -234,7 +234,8 @@ class _ScaledBlock(nn.Module):
 
 
 class _SharedScale(nn.Module):
-    """Computes `scale` next to the embedding and hands it to every block: it cannot cross a split."""
+    """Computes `scale` from the embedding's output and hands it to every block: a later stage, which
+    recomputes what comes before the blocks from the inputs alone, cannot have it."""
 
     def __init__(self, keyword: bool):
         super().__init__()
@@ -251,16 +252,19 @@ class _SharedScale(nn.Module):
 
 
 @pytest.mark.parametrize(
-    ("keyword", "message"), [(False, "computed before the stage's first"), (True, "keyword")]
+    ("keyword", "message"),
+    [
+        (False, "blocks.2 on pipeline stage 1 gets 'positional argument 1'"),
+        (True, "blocks.1 .* gets 'scale'"),
+    ],
 )
-def test_values_that_cannot_cross_a_split_are_refused(keyword, message):
+def test_values_computed_from_an_earlier_stages_output_are_refused(keyword, message):
     model = _SharedScale(keyword)
     (_, first), (_, second) = (split_model(model, r, 2, ["blocks.1"], "gpipe")[0] for r in range(2))
     x = torch.ones(2, 4)
-    with pytest.raises(ValueError, match=message):
-        sent = first(x)  # the keyword form stops here: the split block's inputs are not all positional
-        second.set_micro_inputs((x,))
-        second(*sent)  # block 1 gets (h, scale) from stage 0; block 2 would get stage 0's scale
+    sent = first(inputs=(x,))  # positional: (h, scale) travel; by keyword: h only
+    with pytest.raises(ValueError, match=f"{message} computed before the model's blocks"):
+        second(*(sent if isinstance(sent, tuple) else (sent,)), inputs=(x,))
 
 
 class _Guarded(nn.Module):
@@ -284,13 +288,71 @@ def test_a_models_own_except_exception_does_not_swallow_the_stage_boundary():
     x = torch.randn(2, 4)
     expected = model(x)
     (_, first), (_, second) = (split_model(model, r, 2, None, "gpipe")[0] for r in range(2))
-    handed_over = first(x)
+    handed_over = first(inputs=(x,))
     assert torch.allclose(handed_over, model.blocks[1](model.blocks[0](x)))  # stage 0 stops at block 2
-    second.set_micro_inputs((x,))
-    assert torch.allclose(second.rebuild_output(second(handed_over)), expected)
+    assert torch.allclose(second.rebuild_output(second(handed_over, inputs=(x,))), expected)
 
 
 def test_pipeline_bubble_fraction():
     assert pipeline_bubble_fraction(1, 4) == 0.0
     assert pipeline_bubble_fraction(2, 1) == 0.5
     assert pipeline_bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+def test_other_stages_weights_are_freed_once_the_model_is_dropped():
+    model = make_gpt(4)
+    head, last_block = weakref.ref(model.transformer.ln_f.weight), weakref.ref(model.transformer.h[3])
+    ((_, first),) = split_model(model, 0, 2)
+    del model
+    gc.collect()
+    # the stage's copy of the model holds containers, not the other stage's pieces
+    assert head() is None and last_block() is None
+    assert [name for name, _ in first.transformer.h.named_children()] == ["0", "1"]
+
+
+def test_a_block_wrapped_after_the_split_runs_in_its_place():
+    """Activation checkpointing (or compile) after the split replaces a block by name in the stage's list."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = make_gpt(2)
+    x = torch.randint(0, 32, (2, 16))
+    expected, _ = model(x)
+    (_, first), (_, second) = (split_model(model, r, 2)[0] for r in range(2))
+    sent = first(inputs=(x,))
+    blocks = second.transformer.h
+    for name, block in list(blocks.named_children()):
+        blocks.register_module(name, checkpoint_wrapper(block))
+    logits, _ = second.rebuild_output(second(sent, inputs=(x,)))
+    assert torch.allclose(logits, expected, atol=1e-6)
+    # indexed by original position
+    assert isinstance(second.transformer.h[1], type(blocks.get_submodule("1")))
+
+
+class _Indexed(nn.Module):
+    """Calls its blocks by index, not by iterating the list: a stage cannot run it."""
+
+    def __init__(self, sequential: bool):
+        super().__init__()
+        self.sequential = sequential
+        layers = [nn.Linear(4, 4) for _ in range(4)]
+        self.blocks = nn.Sequential(*layers) if sequential else nn.ModuleList(layers)
+
+    def forward(self, x):
+        if self.sequential:
+            return self.blocks(x)  # nn.Sequential's own forward iterates: fine
+        for i in range(len(self.blocks)):
+            x = self.blocks[i](x)
+        return x
+
+
+def test_sequential_blocks_run_and_blocks_called_by_index_are_refused():
+    x = torch.randn(2, 4)
+    model = _Indexed(sequential=True)
+    (_, first), (_, second) = (split_model(model, r, 2)[0] for r in range(2))
+    assert torch.allclose(second.rebuild_output(second(first(inputs=(x,)), inputs=(x,))), model(x))
+    model = _Indexed(sequential=False)
+    (_, first), (_, second) = (split_model(model, r, 2)[0] for r in range(2))
+    with pytest.raises(RuntimeError, match="must call its blocks by iterating the block list"):
+        first(inputs=(x,))  # len(self.blocks) is this stage's count: the loop never reaches block 2
+    with pytest.raises(IndexError, match=r"blocks\[0\] is not on this pipeline stage .* iterating its block"):
+        second(x, inputs=(x,))

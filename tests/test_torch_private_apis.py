@@ -35,7 +35,7 @@ def test_device_mesh_flatten_names_a_flattened_dp_dimension():
 
 
 def test_pytree_functions():
-    """unison.parallel.apply and pipeline_split walk nested batches with torch.utils._pytree."""
+    """unison.parallel.apply, pipeline_split and stage_blocks walk nested values with torch.utils._pytree."""
     from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
     batch = {"x": torch.ones(2), "y": (torch.zeros(1), [3])}

@@ -26,7 +26,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel
 
-from unison.parallel.pipeline_split import _check_schedule, _insert, _StageModule, _Tie, split_model
+from unison.parallel.pipeline_split import _check_schedule, _StageModule, _Tie, split_model
 
 __all__ = ["LossFn", "PipelineModel", "build_pipeline", "pipeline_bubble_fraction", "split_model"]
 
@@ -75,9 +75,7 @@ class PipelineModel(nn.Module):
     ):
         super().__init__()
         self.stage_modules = list(stages)  # a list, not children: each module is registered once, below
-        for stage in self.stage_modules:
-            for path in stage.pieces:
-                _insert(self, path, stage.get_submodule(path), stage)
+        _merge_into(self, self.stage_modules)
         self.schedule = schedule
         self.microbatches = microbatches
         self._group, self._device = group, device
@@ -99,6 +97,14 @@ class PipelineModel(nn.Module):
             "model.evaluate(inputs, target, loss_fn) for a forward-only loss."
         )
 
+    def train(self, mode: bool = True) -> PipelineModel:
+        """nn.Module.train, for the stages too: each runs the model's own forward on its copy of the
+        model's root, which is no child of ours, and that forward may branch on `self.training`."""
+        super().train(mode)
+        for stage in self.stage_modules:
+            stage.train(mode)
+        return self
+
     def norm_parameters(self) -> Iterator[nn.Parameter]:
         """This rank's parameters, a tied weight kept on one rank only: summing the squared gradient
         norms of these over the pipeline ranks counts every weight of the model once (for clipping)."""
@@ -110,7 +116,7 @@ class PipelineModel(nn.Module):
         """Forward and backward of all micro-batches; returns the mean loss (detached) on every rank.
 
         inputs: the model's positional input (a tensor or a tuple of tensors), the whole batch, on
-            every pipeline rank (the first stage reads it, the others take its shapes).
+            every pipeline rank (every stage runs the model's forward on its micro-batches).
         loss_fn(output, target): output as the model returns it (GPT: `(logits, None)`), mean-reduced.
         divide_by: gradients become those of mean_loss / divide_by (gradient accumulation); the
             returned loss is not divided. Gradients accumulate into `.grad` across calls.
@@ -122,7 +128,9 @@ class PipelineModel(nn.Module):
         self._loss_scale = 1.0 / (self.microbatches * divide_by)
         if self._held_tied_grads is None:  # the window's first call: set aside what was reduced before
             self._held_tied_grads = [[self._detach_grad(p) for p in params] for params, _ in self._tie_groups]
-        self.schedule.step(*inputs, target=target)
+        # keyword arguments reach every stage (split into micro-batches): each recomputes from the
+        # model's inputs what the model computes before its blocks (positions, masks, rotary tables)
+        self.schedule.step(target=target, inputs=inputs)
         if sync:
             for (params, group), previous in zip(self._tie_groups, self._held_tied_grads):
                 for param, before in zip(params, previous):
@@ -134,7 +142,7 @@ class PipelineModel(nn.Module):
     def evaluate(self, inputs: Any, target: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
         """Forward only (torch's `schedule.eval`): the mean loss over micro-batches on every rank."""
         inputs = self._prepare(inputs, target, loss_fn, training=False)
-        self.schedule.eval(*inputs, target=target)
+        self.schedule.eval(target=target, inputs=inputs)
         return self._mean_loss()
 
     def _prepare(self, inputs: Any, target: torch.Tensor, loss_fn: LossFn, training: bool) -> tuple:
@@ -158,14 +166,9 @@ class PipelineModel(nn.Module):
                 "sized on the first call. Keep batch shapes fixed (drop_last=True, fixed sequence length)."
             )
         self._shapes = (training, shapes)
-        micro = tuple(t[: t.shape[0] // m] for t in inputs)
-        for stage in self.stage_modules:
-            stage.set_micro_inputs(micro)
         self._loss_fn = loss_fn
         self._losses.clear()
-        # Only the first stage's rank hands the schedule inputs: the others receive activations, and
-        # torch before 2.9 refuses inputs on them ("Can't supply input args ... on non-first stage").
-        return inputs if any(stage.stage_index == 0 for stage in self.stage_modules) else ()
+        return inputs
 
     def _loss(self, stage_output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the user's, on the model's own output structure, scaled so the
@@ -199,6 +202,21 @@ class PipelineModel(nn.Module):
         dist.all_reduce(grad, group=group)
         if before is not None:
             param.grad.add_(before)
+
+
+def _merge_into(target: nn.Module, sources: Sequence[nn.Module]) -> None:
+    """Register on `target` the union of the `sources`' module trees under their names (a rank's stages:
+    interleaved stages on one rank each hold some blocks of one block list). A module several sources
+    share (a stateless piece) is registered once; containers that differ are merged into a new one."""
+    names = list(dict.fromkeys(name for source in sources for name, _ in source.named_children()))
+    for name in names:
+        found = list({id(m): m for s in sources for n, m in s.named_children() if n == name}.values())
+        if len(found) == 1:
+            target.register_module(name, found[0])
+            continue
+        merged = nn.ModuleList() if all(isinstance(m, nn.ModuleList) for m in found) else nn.Module()
+        _merge_into(merged, found)
+        target.register_module(name, merged)
 
 
 def build_pipeline(

@@ -5,15 +5,36 @@ A stage module holds the ORIGINAL module objects of its part of the model (real 
 stages' state dicts are the full model's state dict cut in pieces, and a DCP checkpoint moves between
 layouts. Phase 2 (unison.parallel.pipeline: `build_pipeline`) runs the stages with torch's schedules.
 
-Why not torch's tracer (`pipeline()` + SplitPoint)? It works on our GPT, but its stages are graphs of
-aten ops (no `nn.Linear` left), so tensor parallel cannot be applied to them. Here each stage runs the
-user's own `forward`, unchanged: modules of earlier stages are replaced by copies on the meta device
-(shape-only, no memory, no compute), earlier blocks by a pass-through, the stage's first block takes
-the activations received from the previous stage instead of its meta input, and the forward stops
-where the next stage's first block is called, sending that block's positional arguments on. This works
-for models whose blocks pass their activations on positionally (GPT-2, nanoGPT, our GPT example);
-values computed before a split and handed to a later block by another route (a rotary table passed as
-a keyword, a mask) are refused with an error.
+How a stage runs: torchtitan's way, made to work on models we did not write. Each stage keeps its own
+copy of the model's containers (`copy.deepcopy` of the model with the pieces memoised, so the copy
+shares the pieces and copies only the containers: the root, `transformer`, `model`, the config) in
+which the other stages' layers are missing, and runs the model's OWN forward on it, in the model's
+own order, once per micro-batch:
+
+- the block list holds this stage's blocks only, under their original names, and iterating it (or
+  slicing it, as Hugging Face's `self.layers[: config.num_hidden_layers]` does) yields them alone: the
+  model's loop skips the other stages' blocks, as torchtitan's models skip deleted layers;
+- the stage's first block is called with the activations received from the previous stage in place
+  of the tensors among its positional arguments; where the next stage's first block would be called,
+  the forward stops and the tensors among that call's positional arguments are sent on;
+- everything the model computes before its blocks from its inputs alone is RECOMPUTED on every stage:
+  each stage gets the micro-batch's model inputs (torch's schedules hand keyword arguments to every
+  stage), and the parameter-free modules (rotary embeddings, dropout) are on every stage. So the rotary
+  tables, causal masks and position ids that Hugging Face decoders pass to every block by keyword cost
+  a few element-wise ops per stage and no communication;
+- another stage's modules that hold weights are stand-in functions, not modules (they are absent from
+  the stage's `named_modules()` and state dict): on a later stage an embedding's stand-in returns NaN
+  shaped like the received activations, on an earlier stage the head's stand-in raises.
+
+The NaN stand-in makes the one case that cannot work loud instead of silently wrong: a value computed
+before the blocks FROM THE EMBEDDINGS' OUTPUT and handed to a later stage's blocks (only the positional
+arguments of the call at the split travel) is NaN there, which the first forward of every later stage
+checks for and refuses with an error naming the block and the argument.
+
+Why not torch's tracer (`pipeline()` + SplitPoint)? Its stages are graphs of aten ops (no `nn.Linear`
+left), so tensor parallel cannot be applied to them. And why not torchtitan's model code as it is? It
+needs a forward written to tolerate missing layers (`if self.tok_embeddings`), which Hugging Face's and
+users' models are not.
 
 Weights that several stages hold (a tied embedding) are recorded on each stage module (`tied`), so that
 phase 2 can sum their gradients over the ranks that hold them.
@@ -33,17 +54,25 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from unison.parallel.blocks import find_blocks
 from unison.parallel.config import PP_SCHEDULES
+from unison.parallel.stage_blocks import StageBlockList, StageBlockSequential, StageExit, StageRun
 
 logger = logging.getLogger("unison")
 
 
 @dataclass(frozen=True)
 class _Layout:
-    """Where the model's pieces sit around its block list, in call order (= registration order)."""
+    """The model's pieces around its block list: the blocks, the pieces that hold state (weights or
+    persistent buffers) registered before and after the list, and the stateless ones (every stage's)."""
 
+    container: str  # "transformer.h"
     blocks: tuple[str, ...]  # "transformer.h.0", ...
-    pre: tuple[str, ...]  # pieces registered before the block list: embeddings, dropout
-    post: tuple[str, ...]  # pieces registered after it: final norm, head
+    pre: tuple[str, ...]  # stateful pieces registered before the block list: embeddings
+    post: tuple[str, ...]  # stateful pieces registered after it: final norm, head
+    stateless: tuple[str, ...]  # rotary embeddings, dropout: on every stage
+
+
+def _has_state(module: nn.Module) -> bool:
+    return len(module.state_dict(keep_vars=True)) > 0
 
 
 def _layout(model: nn.Module) -> _Layout:
@@ -55,10 +84,13 @@ def _layout(model: nn.Module) -> _Layout:
             "example does in transformer.h."
         )
     blocks_name, container = found
-    order: list[str | None] = []  # piece paths in registration order, None where the blocks sit
+    order: list[str | None] = []  # stateful piece paths in registration order, None where the blocks sit
+    stateless: list[str] = []
 
     def walk(module: nn.Module, prefix: str) -> None:
-        direct = [f"{prefix}{n}" for n in (*module._parameters, *module._buffers)]
+        state = module.state_dict(keep_vars=True)
+        children = {name for name, _ in module.named_children()}
+        direct = [f"{prefix}{key}" for key in state if key.split(".")[0] not in children]
         if direct:
             raise ValueError(
                 f"{', '.join(direct)} belong directly to a module that contains the block list "
@@ -68,13 +100,23 @@ def _layout(model: nn.Module) -> _Layout:
             path = prefix + name
             if blocks_name.startswith(path + "."):
                 walk(child, path + ".")
+            elif path == blocks_name:
+                order.append(None)
+            elif _has_state(child):
+                order.append(path)
             else:
-                order.append(None if path == blocks_name else path)
+                stateless.append(path)
 
     walk(model, "")
     split = order.index(None)
     blocks = tuple(f"{blocks_name}.{name}" for name, _ in container.named_children())
-    return _Layout(blocks=blocks, pre=tuple(order[:split]), post=tuple(order[split + 1 :]))
+    return _Layout(
+        container=blocks_name,
+        blocks=blocks,
+        pre=tuple(order[:split]),
+        post=tuple(order[split + 1 :]),
+        stateless=tuple(stateless),
+    )
 
 
 def _balance(weights: Sequence[int], parts: int) -> list[int]:
@@ -161,189 +203,155 @@ def _ties(model: nn.Module, pieces_by_stage: Sequence[Sequence[str]]) -> dict[tu
     return ties
 
 
-def _empty_like(module: nn.Module) -> nn.Module:
-    """A copy of `module` without children and with its own (empty) hook tables: a container to refill."""
-    clone = copy.copy(module)
-    for key, value in vars(nn.Module()).items():
-        clone.__dict__[key] = copy.copy(value)
-    clone.training = module.training
+class _EarlierStandIn:
+    """Stands for a module of an earlier stage that holds weights (an embedding) on a later stage.
+
+    Its output only feeds the model's code before the blocks (shapes, dtypes, devices for positions,
+    masks, rotary tables): the stage's first block gets the received activations instead. NaN marks
+    anything computed from it, so a value that depends on it and reaches a block is caught."""
+
+    def __init__(self, path: str, run: StageRun):
+        self.path, self.run = path, run
+
+    def __call__(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if self.run.entered:
+            raise RuntimeError(
+                f"{self.path} holds weights and is registered before the block list, so it belongs to "
+                "pipeline stage 0, but the model's forward calls it after its blocks (stages own such "
+                "modules by registration order: before the block list, the first stage; after it, the "
+                f"last). Register {self.path} after the block list, or use a separate module for a "
+                "second use after the blocks."
+            )
+        like = self.run.received[0]
+        return torch.full_like(like, float("nan")) if like.is_floating_point() else torch.zeros_like(like)
+
+
+class _LaterStandIn:
+    """Stands for a module of a later stage (the final norm, the head) on an earlier stage: the
+    forward must end (at the next stage's first block) before it is reached."""
+
+    def __init__(self, path: str, stage: int):
+        self.path, self.stage = path, stage
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{self.path} belongs to pipeline stage {self.stage} but ran before this stage ended: the "
+            "model's forward calls a module that holds weights and is registered after the block list "
+            "before its blocks, which pipeline splitting cannot serve. Register it before the block list."
+        )
+
+
+class _ModelRoot:
+    """Holds the stage's copy of the model's root module without making it a child: its children are
+    the stage's own (registered on the stage under their original names), the root only runs forward."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+
+def _stage_copy(
+    model: nn.Module, layout: _Layout, owner: dict[str, int], stage_index: int, run: StageRun
+) -> nn.Module:
+    """The model's containers, copied, holding this stage's pieces (the model's own objects), the
+    stateless pieces, this stage's blocks in a block list of ours, and stand-ins for the rest."""
+    original = model.get_submodule(layout.container)
+    kind = StageBlockSequential if isinstance(original, nn.Sequential) else StageBlockList
+    keys = [name for name, _ in original.named_children()]
+    own = {i: name for i, name in enumerate(keys) if owner[layout.blocks[i]] == stage_index}
+    successor = max(own) + 1 if max(own) + 1 < len(keys) else None
+    blocks = kind(
+        {name: original.get_submodule(name) for name in own.values()},
+        positions=list(own),
+        total=len(keys),
+        run=run,
+        path=layout.container,
+        successor=None if successor is None else original.get_submodule(keys[successor]),
+        successor_path=None if successor is None else layout.blocks[successor],
+    )
+    memo: dict[int, Any] = {id(original): blocks}
+    stand_ins: dict[str, Any] = {}
+    for path in (*layout.pre, *layout.post, *layout.stateless):
+        piece = model.get_submodule(path)
+        if path in layout.stateless or owner[path] == stage_index:
+            memo[id(piece)] = piece
+        else:
+            memo[id(piece)] = None  # an empty child slot in the copy, replaced below by a stand-in
+            stand_ins[path] = (
+                _EarlierStandIn(path, run) if owner[path] < stage_index else _LaterStandIn(path, owner[path])
+            )
+    for path in layout.blocks:  # a block referenced from elsewhere in the model is never copied
+        memo.setdefault(id(model.get_submodule(path)), None)
+    clone = copy.deepcopy(model, memo)
+    for path, stand_in in stand_ins.items():
+        parent_path, _, leaf = path.rpartition(".")
+        parent = clone.get_submodule(parent_path)
+        delattr(parent, leaf)  # a plain attribute now: called by the forward, not a module of the stage
+        setattr(parent, leaf, stand_in)
     return clone
 
 
-def _insert(root: nn.Module, path: str, module: nn.Module, source: nn.Module) -> None:
-    """Put `module` at `path` under `root`, creating containers shaped like `source`'s on the way."""
-    *parents, leaf = path.split(".")
-    node, origin = root, source
-    for part in parents:
-        origin = getattr(origin, part)
-        if part not in node._modules:
-            node.add_module(part, _empty_like(origin))
-        node = node._modules[part]
-    node.add_module(leaf, module)
-
-
-def _meta_copy(module: nn.Module) -> nn.Module:
-    """`module` with its tensors on the meta device, built without copying any real storage."""
-    memo: dict[int, Any] = {}
-    for tensor in (*module.parameters(), *module.buffers()):
-        meta = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = (
-            nn.Parameter(meta, tensor.requires_grad) if isinstance(tensor, nn.Parameter) else meta
-        )
-    return copy.deepcopy(module, memo)
-
-
-class _StageExit(BaseException):
-    """Raised where the next stage's first block is called; args[0]: that block's positional inputs.
-
-    A BaseException, as StopIteration's cousins GeneratorExit and KeyboardInterrupt are: it ends the
-    stage's forward, it is no error, and a model's own `except Exception:` around its blocks (a
-    fallback path, a logging wrapper) must not catch it and run on past the stage boundary."""
-
-
-class _Exit(nn.Module):
-    def forward(self, *args: Any, **kwargs: Any) -> None:
-        if kwargs or not all(isinstance(a, torch.Tensor) for a in args):
-            raise ValueError(
-                "a block at a pipeline split point is called with keyword or non-tensor arguments; only "
-                "positional tensors can travel between stages. Pass the block's inputs positionally."
-            )
-        raise _StageExit(args)
-
-
-class _PassThrough(nn.Module):
-    """A block of an earlier stage: its (meta) input flows on unchanged."""
-
-    def forward(self, x: Any, *args: Any, **kwargs: Any) -> Any:
-        return x
-
-
-class _Absent(nn.Module):
-    def __init__(self, path: str, stage: int):
-        super().__init__()
-        self.path, self.stage = path, stage
-
-    def forward(self, *args: Any, **kwargs: Any) -> None:
-        raise RuntimeError(
-            f"{self.path} belongs to pipeline stage {self.stage} but ran before this stage ended: the "
-            "model's forward does not call its pieces in registration order (embeddings, blocks, head), "
-            "which pipeline splitting relies on."
-        )
-
-
-class _Live(nn.Module):
-    """One of a later stage's own modules in the skeleton: the first block is fed the activations
-    received from the previous stage; no module may get a meta tensor (a value of an earlier stage)."""
-
-    def __init__(self, stage: _StageModule, path: str):
-        super().__init__()
-        # plain attributes, not children: the stage registers its modules under their own names
-        object.__setattr__(self, "stage", stage)
-        object.__setattr__(self, "target", None)
-        self.path = path
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        if self.path == self.stage._entry:
-            args = self.stage._received
-        flat, _ = tree_flatten((args, kwargs))
-        if any(isinstance(t, torch.Tensor) and t.is_meta for t in flat):
-            raise ValueError(
-                f"{self.path} on pipeline stage {self.stage.stage_index} gets a tensor computed before the "
-                "stage's first block (e.g. a mask or rotary table made next to the embeddings): only the "
-                "first block's positional inputs travel between stages. Compute it inside the blocks."
-            )
-        return self.target(*args, **kwargs)
-
-
 class _StageModule(nn.Module):
-    """One pipeline stage: this stage's original modules under their original names, and a forward
-    that runs the model's own forward over a skeleton holding them (see the module docstring)."""
+    """One pipeline stage: this stage's modules under their original names, and a forward that runs
+    the model's own forward on the stage's copy of the model (see the module docstring).
+
+    forward(*received, inputs=(model inputs of the micro-batch)): the first stage receives nothing."""
 
     def __init__(self, model: nn.Module, layout: _Layout, pieces: Sequence[Sequence[str]], stage_index: int):
         super().__init__()
         self.stage_index, self.num_stages = stage_index, len(pieces)
         self.pieces = tuple(pieces[stage_index])
-        for path in self.pieces:
-            _insert(self, path, model.get_submodule(path), model)
         self.tied: dict[str, _Tie] = {}
         # every tied weight's full-model names, over all stages (consolidation writes one copy)
         self.tied_names: list[tuple[str, ...]] = []
         owner = {path: s for s, paths in enumerate(pieces) for path in paths}
-        first_block = {s: next(p for p in paths if p in layout.blocks) for s, paths in enumerate(pieces)}
-        self._entry = first_block[stage_index] if stage_index > 0 else None
-        # later stages check what reaches their modules (not children: they wrap modules of ours)
-        guards = {path: _Live(self, path) for path in self.pieces} if stage_index > 0 else {}
-        object.__setattr__(self, "_guards", guards)
-        self._received: tuple[torch.Tensor, ...] = ()
-        self._micro_inputs: tuple[torch.Tensor, ...] | None = None
+        self._run = StageRun(stage_index)
+        root = _stage_copy(model, layout, owner, stage_index, self._run)
+        self._root = _ModelRoot(root)
+        for name, child in root.named_children():
+            self.add_module(name, child)
         self._output_spec: Any = None
-        skeleton = _empty_like(model)
-        for path in (*layout.pre, *layout.blocks, *layout.post):
-            if owner[path] == stage_index:
-                stand_in = nn.Identity()  # replaced by the live module at every forward
-            elif owner[path] < stage_index:  # meta copies compute the shapes the model's glue needs
-                stand_in = _PassThrough() if path in layout.blocks else _meta_copy(model.get_submodule(path))
-            elif path == first_block.get(stage_index + 1):
-                stand_in = _Exit()
-            else:
-                stand_in = _Absent(path, owner[path])
-            _insert(skeleton, path, stand_in, model)
-        object.__setattr__(self, "_skeleton", skeleton)  # not a child: its meta copies are not ours
 
     def train(self, mode: bool = True) -> _StageModule:
-        """nn.Module.train, for the skeleton too: it is not a child (see __init__), and its containers
-        run the model's own forward, which may branch on `self.training` (eval() goes through here)."""
+        """nn.Module.train, for the copy's root too: it is not a child (see _ModelRoot), and the model's
+        own forward may branch on `self.training` (eval() goes through here)."""
         super().train(mode)
-        for module in self._skeleton.modules():
-            module.training = mode
+        self._root.module.training = mode
         return self
 
-    def set_micro_inputs(self, inputs: Sequence[torch.Tensor]) -> None:
-        """Shapes of one micro-batch of the model's inputs, for the meta run of earlier stages' pieces."""
-        self._micro_inputs = tuple(torch.empty_like(t, device="meta") for t in inputs)
-
-    def _place_live_modules(self) -> None:
-        """Put this stage's current modules into the skeleton: a wrapper applied to one of them after
-        the split (activation checkpointing, compile) replaces it here, and the skeleton must see it."""
-        for path in self.pieces:
-            parent_path, _, leaf = path.rpartition(".")
-            live = self.get_submodule(path)
-            if path in self._guards:
-                object.__setattr__(self._guards[path], "target", live)
-                live = self._guards[path]
-            self._skeleton.get_submodule(parent_path)._modules[leaf] = live
-
-    def forward(self, *args: torch.Tensor) -> Any:
-        self._place_live_modules()
-        if self._entry is None:
-            inputs = args
-        elif self._micro_inputs is None:
-            raise RuntimeError("a later pipeline stage ran before set_micro_inputs: use PipelineModel.step")
-        else:
-            inputs, self._received = self._micro_inputs, args
+    def forward(self, *received: torch.Tensor, inputs: Sequence[torch.Tensor] = ()) -> Any:
+        run = self._run
+        if self.stage_index > 0 and not received:
+            raise RuntimeError(
+                f"pipeline stage {self.stage_index} ran without activations from stage "
+                f"{self.stage_index - 1}: run the stages through build_pipeline's PipelineModel.step."
+            )
+        run.start(received)
         try:
-            output = self._skeleton(*inputs)
-        except _StageExit as boundary:
+            output = self._root.module(*inputs)
+        except StageExit as boundary:
             sent = boundary.args[0]
+            run.finish()
             return sent[0] if len(sent) == 1 else sent
         finally:
-            self._received = ()
-        # torch sends and checks tensors only: hand over the tensors, rebuild the structure for loss_fn
-        leaves, spec = tree_flatten(output)
-        if any(leaf is not None and not isinstance(leaf, torch.Tensor) for leaf in leaves):
-            raise TypeError(
-                f"the model returns {[type(v).__name__ for v in leaves]}; the last pipeline stage can "
-                "return tensors and None (in any tuple/list/dict structure) only."
+            run.stop()
+        if self.stage_index < self.num_stages - 1:
+            raise RuntimeError(
+                f"the model's forward ended on pipeline stage {self.stage_index} without calling the next "
+                "stage's first block: the forward must call its blocks by iterating the block list."
             )
-        self._output_spec = (spec, [leaf is None for leaf in leaves])
-        tensors = tuple(leaf for leaf in leaves if leaf is not None)
+        run.finish()
+        # torch sends and checks tensors only: hand over the tensors, keep the rest to rebuild the output
+        leaves, spec = tree_flatten(output)
+        self._output_spec = (spec, [None if isinstance(leaf, torch.Tensor) else (leaf,) for leaf in leaves])
+        tensors = tuple(leaf for leaf in leaves if isinstance(leaf, torch.Tensor))
         return tensors[0] if len(tensors) == 1 else tensors
 
     def rebuild_output(self, stage_output: Any) -> Any:
-        """The model's output structure (e.g. GPT's `(logits, None)`) from the tensors this stage returned."""
+        """The model's output structure (GPT's `(logits, None)`, a Hugging Face `CausalLMOutputWithPast`)
+        from the tensors this stage returned; leaves that are not tensors are those of the last forward."""
         tensors = iter(stage_output if isinstance(stage_output, tuple) else (stage_output,))
-        spec, is_none = self._output_spec
-        return tree_unflatten([None if none else next(tensors) for none in is_none], spec)
+        spec, others = self._output_spec
+        return tree_unflatten([next(tensors) if other is None else other[0] for other in others], spec)
 
 
 def _check_schedule(schedule: str) -> None:
@@ -371,6 +379,8 @@ def split_model(
     are the model's own objects, not copies: apply tensor parallel or FSDP2 to each stage module, then
     pass the list to `build_pipeline`. The full model is left intact; drop your reference to it (and
     build the optimizer from the stages' parameters) so the other stages' weights can be freed.
+    A wrapper applied to a block after the split (activation checkpointing, compile) replaces it by
+    name in the stage's block list: `blocks.register_module(name, wrapped)` over `named_children()`.
     """
     _check_schedule(schedule)
     if not 0 <= pp_rank < pp_size:
