@@ -164,6 +164,16 @@ def _fused_parameters() -> dict[int, tuple[RowOrder, int]]:
     return found
 
 
+def in_stored_layout(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full`, a whole tensor in the user's layout meant for `param`, in the layout `param` stores: its
+    rows permuted when `param` is a permuted projection's weight or bias (for a meta-built model filled
+    from process 0's weights), else `full` itself."""
+    fused = _fused_parameters().get(id(param))
+    if fused is None or full.dim() == 0 or full.shape[0] != fused[1]:
+        return full
+    return fused[0].permute(full)
+
+
 def _optimizer_state_translated(optimizer: torch.optim.Optimizer, state_dict: dict, to_user: bool) -> dict:
     """`state_dict` (torch's form: state keyed by parameter index) with the permuted parameters' state
     in the other layout. New dicts throughout: the caller's stay as they were."""

@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import logging
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
@@ -175,7 +176,7 @@ class DeferredModel:
                 full = torch.empty(shape, dtype=dtype, device=self.device)
             dist.broadcast(full, src=0)
             for target in {id(local[n]): local[n] for n in [name, *aliases] if n in local}.values():
-                _copy_part(full, target)
+                _copy_part(in_stored_layout(target, full), target)  # a fused q|k|v's rows are permuted
 
     def _init(self, module: nn.Module) -> None:
         """The model's own init on this process's shards; a tensor it leaves unfilled is refused."""
@@ -251,6 +252,12 @@ def _tensors_once(model: nn.Module) -> tuple[dict[str, torch.Tensor], dict[str, 
             first[id(tensor)] = name
             tensors[name] = tensor.detach()
     return tensors, aliases
+
+
+def in_stored_layout(target: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
+    """`full` as `target` stores it (see parallel/fused.py); fused.py loads only where TP was applied."""
+    fused = sys.modules.get("unison.parallel.fused")
+    return full if fused is None else fused.in_stored_layout(target, full)
 
 
 @torch.no_grad()
