@@ -23,6 +23,9 @@ from unison.parallel.blocks import find_blocks
 from unison.parallel.checkpointing import normalize_mode
 from unison.parallel.config import ParallelismConfig
 
+# In-process tests build their own Accelerator: each starts from no process state (conftest).
+pytestmark = pytest.mark.usefixtures("fresh_state")
+
 MODES = (None, "full", "selective:op", "selective:2")
 
 

@@ -16,6 +16,9 @@ from launching import WORKERS, launch_ok
 from unison import Accelerator, init_empty_weights
 from unison.parallel.materialize import _ALL_META, _NO_META, _SOME_META, _source
 
+# In-process tests build their own Accelerator: each starts from no process state (conftest).
+pytestmark = pytest.mark.usefixtures("fresh_state")
+
 
 class Scaled(torch.nn.Module):
     """A Linear, a LayerNorm, a parameter no reset_parameters covers, and a buffer."""
