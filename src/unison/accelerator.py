@@ -54,6 +54,7 @@ from .parallel.apply import (
     switch_optimizer_parameters,
 )
 from .parallel.auto import plan_for_this_job
+from .parallel.compiling import TorchDynamoPlugin, resolve_dynamo_plugin
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
@@ -114,6 +115,8 @@ class Accelerator(
         fsdp_plugin: FullyShardedDataParallelPlugin | None = None,
         deepspeed_plugin: DeepSpeedPlugin | None = None,
         deepspeed_plugins: Any = None,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
     ):
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
@@ -139,6 +142,8 @@ class Accelerator(
         if gradient_accumulation_steps is None:
             gradient_accumulation_steps = launch_env.env_int(launch_env.GRADIENT_ACCUMULATION_STEPS, 1)
         self.gradient_accumulation_steps = _validate_accumulation_steps(gradient_accumulation_steps)
+        # torch.compile at prepare() (None: off); an unknown backend fails here, on every process
+        self.dynamo_plugin = resolve_dynamo_plugin(dynamo_backend, dynamo_plugin)
         if timeout is None and InitProcessGroupKwargs in handlers:
             timeout = handlers[InitProcessGroupKwargs].timeout
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, timeout=timeout)
@@ -416,7 +421,9 @@ class Accelerator(
         if device_placement:
             model = model.to(self.device)
         before = dict(unwrap(model).named_parameters(remove_duplicate=False))  # names as the user's module's
-        prepared = parallelize(model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs)
+        prepared = parallelize(
+            model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs, self.dynamo_plugin
+        )
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)

@@ -13,6 +13,8 @@ configured without touching the script.
 | UNISON_TIMEOUT                       | timeout (seconds)             | number > 0        |
 | UNISON_PARALLELISM                   | parallelism                   | ddp, zeroK, k=v   |
 | UNISON_PLUGIN                        | fsdp_plugin / deepspeed_plugin | {"fsdp": {...}}  |
+| UNISON_DYNAMO_BACKEND                | dynamo_backend                | no, inductor, ... |
+| UNISON_DYNAMO_MODE                   | TorchDynamoPlugin(mode=...)   | default, max-autotune, ... |
 | UNISON_DEBUG                         | (none: `unison launch --debug`) | 1/true or 0/false |
 """
 
@@ -27,9 +29,22 @@ TIMEOUT = "UNISON_TIMEOUT"
 PARALLELISM = "UNISON_PARALLELISM"
 PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}, from Accelerate's flags
 DEBUG = "UNISON_DEBUG"  # check every collective's operation and shapes across ranks (state.debug_mode)
+DYNAMO_BACKEND = "UNISON_DYNAMO_BACKEND"  # torch.compile backend of prepare() (parallel/compiling.py)
+DYNAMO_MODE = "UNISON_DYNAMO_MODE"
 LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
 
-ALL = (MIXED_PRECISION, GRADIENT_ACCUMULATION_STEPS, CPU, TIMEOUT, PARALLELISM, PLUGIN, DEBUG, LAUNCHER_PID)
+ALL = (
+    MIXED_PRECISION,
+    GRADIENT_ACCUMULATION_STEPS,
+    CPU,
+    TIMEOUT,
+    PARALLELISM,
+    PLUGIN,
+    DEBUG,
+    DYNAMO_BACKEND,
+    DYNAMO_MODE,
+    LAUNCHER_PID,
+)
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}

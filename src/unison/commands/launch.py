@@ -23,6 +23,8 @@ _VARIABLES = [
     (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
     (f"{launch_env.DEBUG}=1", "--debug"),
     (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
+    (f"{launch_env.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
+    (f"{launch_env.DYNAMO_MODE}=MODE", "--dynamo-mode"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
@@ -151,6 +153,18 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="ddp (default), zero1, zero2, zero3, or FIELD=VALUE pairs of ParallelismConfig, e.g. "
         "dp_shard_size=2,tp_size=2",
     )
+    training.add_argument(
+        *_spellings("dynamo-backend"),
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile the model at prepare(), block by block: inductor, aot_eager, ... or no (default)",
+    )
+    training.add_argument(
+        *_spellings("dynamo-mode"),
+        default=None,
+        metavar="MODE",
+        help="torch.compile's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
+    )
     add_plugin_flags(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
@@ -192,6 +206,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         debug=args.debug,
         parallelism=args.parallelism,
         plugin=plugin_from_flags(args),
+        dynamo_backend=args.dynamo_backend,
+        dynamo_mode=args.dynamo_mode,
     )
 
 

@@ -1,4 +1,5 @@
-"""Apply a validated layout to a model, in torchtitan's order: pipeline split, tensor parallel, data parallel.
+"""Apply a validated layout to a model, in torchtitan's order: pipeline split, tensor parallel, compile,
+data parallel.
 
 Each strategy is a plain function of its own module (`pipeline`, `tensor`, `zero`, `ddp`); this module
 only decides which run, on which sub-mesh of the one DeviceMesh, and in what order:
@@ -25,6 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
+from .compiling import TorchDynamoPlugin, compile_model
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
 from .engines import is_dtensor
@@ -66,15 +68,17 @@ def parallelize(
     mesh: DeviceMesh | None,
     device: torch.device,
     ddp_kwargs: dict[str, Any],
+    dynamo: TorchDynamoPlugin | None = None,
 ) -> nn.Module:
     """Wrap `model` (already on `device`) for `config` over `mesh`; returns the module to train.
+    `dynamo`: compile it (per block) before the data-parallel engine wraps it, or None.
 
     Under pipeline parallelism that is a `PipelineModel` holding this rank's stages, each already
     tensor-parallel and data-parallel as the layout says. Call on every rank with the same arguments:
     the wrappers create and use process groups.
     """
     if (config.pp_size or 1) == 1:
-        return _parallelize_part(model, config, mesh, device, ddp_kwargs)
+        return _parallelize_part(model, config, mesh, device, ddp_kwargs, dynamo)
     pp_mesh = mesh["pp"]
     if (config.tp_size or 1) > 1 and config.tp_plan is not None:
         from .tensor import check_tensor_parallel
@@ -84,7 +88,7 @@ def parallelize(
         model, pp_mesh.get_local_rank(), config.pp_size, config.pp_split_points, config.pp_schedule
     )
     parts = [
-        (index, _parallelize_part(stage, _for_stage(config, stage), mesh, device, ddp_kwargs))
+        (index, _parallelize_part(stage, _for_stage(config, stage), mesh, device, ddp_kwargs, dynamo))
         for index, stage in stages
     ]
     return build_pipeline(parts, pp_mesh, config.pp_schedule, pipeline_microbatches(config), device)
@@ -112,8 +116,9 @@ def _parallelize_part(
     mesh: DeviceMesh | None,
     device: torch.device,
     ddp_kwargs: dict[str, Any],
+    dynamo: TorchDynamoPlugin | None = None,
 ) -> nn.Module:
-    """Tensor parallel, then the data-parallel engine, on a whole model or one pipeline stage."""
+    """Tensor parallel, compile, then the data-parallel engine, on a whole model or one pipeline stage."""
     if (config.tp_size or 1) > 1:
         # A user's plan already says which styles it wants; the two flags choose the built-in plan's.
         builtin = config.tp_plan is None
@@ -126,6 +131,7 @@ def _parallelize_part(
             sequence_parallel=config.sequence_parallel and builtin,
             loss_parallel=config.loss_parallel and builtin,
         )
+    compile_model(model, dynamo, config)
     engine = data_parallel_engine(config)
     trainable = any(p.requires_grad for p in model.parameters())
     # A frozen model (a teacher, a reference model) has nothing for DDP to synchronise, and DDP refuses
