@@ -1,15 +1,17 @@
 """Launched worker: torch.compile at prepare() (unison.parallel.compiling) under each layout, against eager.
 
-For every run below the script trains a tiny GPT (examples/gpt/model.py, 2 blocks) for STEPS optimizer steps through
-`Accelerator(parallelism=..., dynamo_backend=...)`, `prepare`, `accumulate`, `backward`, twice: eager and
+For every run below the script trains a tiny GPT (examples/gpt/model.py, 2 blocks) for STEPS optimizer
+steps through `Accelerator(parallelism=..., dynamo_backend=...)`, `prepare`, `accumulate`, `backward`
+(`forward_backward` under pipeline parallelism), twice: eager and
 compiled with the "aot_eager" backend (AOTAutograd traces forward and backward into graphs and runs them
 with eager kernels: the same arithmetic, so the parameters should match to the last bit or to rounding),
 and compares the consolidated state dicts (`accelerator.get_state_dict`).
 
 Runs (2 processes): ddp with accumulation 2, ddp with DDP's static_graph, zero1, zero2, zero3, tp_size=2 (on
 the example Llama: separate q/k/v projections), zero3 with bf16 autocast and blocks that checkpoint their
-activations (torch.utils.checkpoint in the block's forward), and ddp on a model without a block list
-(compiled whole). Every forward sees MICRO_BATCH rows, so a layout's graphs are traced for one shape.
+activations (torch.utils.checkpoint in the block's forward), pp_size=2 (each stage's blocks compiled), and
+ddp on a model without a block list (compiled whole). Every forward sees MICRO_BATCH rows, so a layout's
+graphs are traced for one shape.
 
 Each compiled run also reports: whether the blocks' forward really ran compiled (the block records
 `torch.compiler.is_compiling()` on each call), the class `unwrap_model` gives, whether any state-dict key
@@ -50,6 +52,7 @@ RUNS = {  # name: (parallelism, data-parallel degree, accumulation, mixed precis
     "zero3": ("zero3", 2, 1, "no", "gpt", False),
     "tp2": ("tp_size=2", 1, 1, "no", "llama", False),
     "zero3_bf16_checkpointed": ("zero3", 2, 1, "bf16", "checkpointed", False),
+    "pp2": ("pp_size=2", 1, 1, "no", "gpt", False),
     "ddp_no_blocks": ("ddp", 2, 1, "no", "mlp", False),
 }
 
@@ -154,10 +157,17 @@ def train(run: str, backend: str | None) -> tuple[Accelerator, nn.Module, dict[s
     for x, y in data:
         for x_micro, y_micro in zip(x.chunk(accumulation), y.chunk(accumulation)):
             with accelerator.accumulate(model):
-                accelerator.backward(model(x_micro, y_micro)[1])
+                if accelerator.parallelism.pp_size > 1:  # no rank holds the whole model: one call
+                    accelerator.forward_backward(model, x_micro, y_micro, mean_loss)
+                else:
+                    accelerator.backward(model(x_micro, y_micro)[1])
                 optimizer.step()
                 optimizer.zero_grad()
     return accelerator, model, accelerator.get_state_dict(model)
+
+
+def mean_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(output[0].flatten(0, 1), targets.flatten())
 
 
 def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float | None:
