@@ -162,7 +162,8 @@ def compile_model(model: nn.Module, plugin: TorchDynamoPlugin | None, config: Pa
         )
     units = _blocks(model, config.zero_blocks) if plugin.use_regional_compilation else []
     kwargs = plugin.compile_kwargs()
-    # eager (a graph break): it prepares the compiled graph's inputs. Built here: disable imports dynamo
+    # torch compiles the block's forward and runs its hooks eagerly; disable() keeps this one out of any
+    # graph should a torch trace the hooks too (built here: disable() imports torch._dynamo)
     wait_hook = torch.compiler.disable(_wait_for_collective_inputs)
     for unit in units or [model]:
         if (config.tp_size or 1) > 1:
