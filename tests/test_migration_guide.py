@@ -477,7 +477,7 @@ ONE_LINERS = [
     "PartialState(cpu=True, timeout=1800)",
     "ParallelismConfig(tp_size=2)",
     "ParallelismConfig(pp_size=2)",
-    'torch.compile(model, mode="max-autotune", fullgraph=True)',  # compiles at the first call only
+    'TorchDynamoPlugin(backend="inductor", fullgraph=True, dynamic=False)',
     "accelerator.state.destroy_process_group()",  # last: ends the process group (none on one process)
 ]
 
@@ -511,6 +511,7 @@ def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
         "importlib": importlib,
         "DataLoaderConfiguration": unison.DataLoaderConfiguration,
         "ParallelismConfig": unison.ParallelismConfig,
+        "TorchDynamoPlugin": unison.utils.TorchDynamoPlugin,
     }
     for line in ONE_LINERS[1:]:
         exec(compile(line, "one-liner", "exec"), namespace)

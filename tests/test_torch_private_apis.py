@@ -60,6 +60,29 @@ def test_compiled_module_keeps_the_original_as_orig_mod():
     assert set(compiled.state_dict()) == {"_orig_mod.weight", "_orig_mod.bias"}
 
 
+def test_module_compile_keeps_its_compiled_call_in_compiled_call_impl():
+    """unison.parallel.compiling.compile_model tells a module the user already compiled in place by
+    `nn.Module.compile()`'s `_compiled_call_impl` attribute (None until compile() sets it)."""
+    module = torch.nn.Linear(2, 2)
+    assert module._compiled_call_impl is None
+    module.compile(backend="eager")
+    assert module._compiled_call_impl is not None
+    assert set(module.state_dict()) == {"weight", "bias"}  # in place: the names stay
+
+
+def test_async_collective_tensor_becomes_a_plain_tensor_with_its_gradient_path_on_a_copy():
+    """unison.parallel.compiling._wait_for_collective_inputs: a tensor-parallel block's input may be
+    torch.distributed._functional_collectives.AsyncCollectiveTensor; its clone() is a plain tensor that
+    keeps the autograd history."""
+    from torch.distributed._functional_collectives import AsyncCollectiveTensor
+
+    collective = AsyncCollectiveTensor(torch.ones(2)).requires_grad_()
+    waited = collective.clone()
+    assert type(waited) is torch.Tensor and waited.grad_fn is not None
+    (2 * waited).sum().backward()
+    assert collective.grad.tolist() == [2.0, 2.0]
+
+
 def test_ddp_says_whether_its_forward_armed_the_backward_all_reduce():
     """unison.parallel.ddp.trigger_sync_in_backward reads DDP's `require_forward_param_sync` (undocumented):
     True after a forward outside no_sync (the backward all-reduces), False after one inside."""

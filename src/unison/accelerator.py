@@ -55,6 +55,7 @@ from .parallel.apply import (
 )
 from .parallel.auto import plan_for_this_job
 from .parallel.checkpointing import normalize_mode, resolve_mode
+from .parallel.compiling import TorchDynamoPlugin, resolve_dynamo_plugin
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
@@ -120,6 +121,8 @@ class Accelerator(
         deepspeed_plugins: Any = None,
         convert_outputs_to_fp32: bool | None = None,
         activation_checkpointing: str | bool | None = None,
+        dynamo_backend: str | None = None,
+        dynamo_plugin: TorchDynamoPlugin | None = None,
     ):
         check_convert_outputs(convert_outputs_to_fp32)  # before any state exists, on every process
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
@@ -146,6 +149,8 @@ class Accelerator(
         if gradient_accumulation_steps is None:
             gradient_accumulation_steps = launch_env.env_int(launch_env.GRADIENT_ACCUMULATION_STEPS, 1)
         self.gradient_accumulation_steps = _validate_accumulation_steps(gradient_accumulation_steps)
+        # torch.compile at prepare() (None: off); an unknown backend fails here, on every process
+        self.dynamo_plugin = resolve_dynamo_plugin(dynamo_backend, dynamo_plugin)
         if timeout is None and InitProcessGroupKwargs in handlers:
             timeout = handlers[InitProcessGroupKwargs].timeout
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, timeout=timeout)
@@ -432,7 +437,13 @@ class Accelerator(
         if deferred is not None:
             model = deferred.before_parallelize(model)
         prepared = parallelize(
-            model, self.parallelism, self.device_mesh, self.device, self.ddp_kwargs, self.precision.dtype
+            model,
+            self.parallelism,
+            self.device_mesh,
+            self.device,
+            self.ddp_kwargs,
+            self.precision.dtype,
+            self.dynamo_plugin,
         )
         if deferred is not None:
             deferred.after_parallelize(prepared)

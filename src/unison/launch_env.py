@@ -14,6 +14,8 @@ configured without touching the script.
 | UNISON_PARALLELISM                   | parallelism                   | ddp, zeroK, k=v   |
 | UNISON_PLUGIN                        | fsdp_plugin / deepspeed_plugin | {"fsdp": {...}}  |
 | UNISON_ACTIVATION_CHECKPOINTING      | activation_checkpointing      | full, selective[:K] |
+| UNISON_DYNAMO_BACKEND                | dynamo_backend                | no, inductor, ... |
+| UNISON_DYNAMO_MODE                   | TorchDynamoPlugin(mode=...)   | default, max-autotune, ... |
 | UNISON_DEBUG                         | (none: `unison launch --debug`) | 1/true or 0/false |
 """
 
@@ -29,6 +31,8 @@ PARALLELISM = "UNISON_PARALLELISM"
 ACTIVATION_CHECKPOINTING = "UNISON_ACTIVATION_CHECKPOINTING"  # parallel/checkpointing.py's modes
 PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}, from Accelerate's flags
 DEBUG = "UNISON_DEBUG"  # check every collective's operation and shapes across ranks (state.debug_mode)
+DYNAMO_BACKEND = "UNISON_DYNAMO_BACKEND"  # torch.compile backend of prepare() (parallel/compiling.py)
+DYNAMO_MODE = "UNISON_DYNAMO_MODE"
 LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
 
 ALL = (
@@ -40,6 +44,8 @@ ALL = (
     ACTIVATION_CHECKPOINTING,
     PLUGIN,
     DEBUG,
+    DYNAMO_BACKEND,
+    DYNAMO_MODE,
     LAUNCHER_PID,
 )
 

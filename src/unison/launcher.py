@@ -96,6 +96,8 @@ class LaunchOptions:
     parallelism: str | None = None
     activation_checkpointing: str | None = None  # launch_env.ACTIVATION_CHECKPOINTING
     plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
+    dynamo_backend: str | None = None  # --dynamo-backend: torch.compile at prepare() (parallel/compiling.py)
+    dynamo_mode: str | None = None
 
 
 def usable_cpu_count() -> int:
@@ -184,7 +186,23 @@ def validate(options: LaunchOptions) -> int:
             normalize_mode(options.activation_checkpointing, "--activation-checkpointing")
         except ValueError as error:
             raise LaunchError(str(error)) from None
+    compile_variables(options)  # a wrong backend or mode fails here, not in N workers
     return nproc_per_node
+
+
+def compile_variables(options: LaunchOptions) -> dict[str, str]:
+    """UNISON_DYNAMO_* for --dynamo-backend / --dynamo-mode (checked: LaunchError naming the fix)."""
+    from .parallel.compiling import check_backend, check_mode
+
+    env = {}
+    try:
+        if options.dynamo_backend is not None:
+            env[launch_env.DYNAMO_BACKEND] = check_backend(options.dynamo_backend)
+        if options.dynamo_mode is not None:
+            env[launch_env.DYNAMO_MODE] = check_mode(options.dynamo_mode)
+    except (ValueError, TypeError) as error:
+        raise LaunchError(f"--dynamo-backend/--dynamo-mode: {error}") from None
+    return env
 
 
 def _validate_script(options: LaunchOptions) -> None:
@@ -536,6 +554,7 @@ def launch(options: LaunchOptions) -> int:
         )
         if options.debug:
             env[launch_env.DEBUG] = "1"
+        env.update(compile_variables(options))
         with exported(env), quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:

@@ -38,6 +38,7 @@ from .ops import (
     send_to_device,
 )
 from .parallel.comm_hooks import DDPCommunicationHookType
+from .parallel.compiling import TorchDynamoPlugin
 from .parallel.config import ParallelismConfig
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
@@ -60,6 +61,7 @@ __all__ = [
     "ParallelismConfig",
     "ProfileKwargs",
     "ProjectConfiguration",
+    "TorchDynamoPlugin",
     "broadcast",
     "broadcast_object_list",
     "concatenate",

@@ -24,6 +24,8 @@ _VARIABLES = [
     (f"{launch_env.DEBUG}=1", "--debug"),
     (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
     (f"{launch_env.ACTIVATION_CHECKPOINTING}=MODE", "--activation-checkpointing"),
+    (f"{launch_env.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
+    (f"{launch_env.DYNAMO_MODE}=MODE", "--dynamo-mode"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
@@ -159,6 +161,18 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="recompute activations in backward: full (every block), selective (op-level: matmul and "
         "attention outputs kept), selective:K (every K-th block), none",
     )
+    training.add_argument(
+        *_spellings("dynamo-backend"),
+        default=None,
+        metavar="BACKEND",
+        help="torch.compile the model at prepare(), block by block: inductor, aot_eager, ... or no (default)",
+    )
+    training.add_argument(
+        *_spellings("dynamo-mode"),
+        default=None,
+        metavar="MODE",
+        help="torch.compile's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
+    )
     add_plugin_flags(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
@@ -201,6 +215,8 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         parallelism=args.parallelism,
         activation_checkpointing=args.activation_checkpointing,
         plugin=plugin_from_flags(args),
+        dynamo_backend=args.dynamo_backend,
+        dynamo_mode=args.dynamo_mode,
     )
 
 

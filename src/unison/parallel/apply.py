@@ -1,5 +1,5 @@
 """Apply a validated layout to a model, in torchtitan's order: pipeline split, tensor parallel, activation
-checkpointing, data parallel.
+checkpointing, compile, data parallel.
 
 Each strategy is a plain function of its own module (`pipeline`, `tensor`, `zero`, `ddp`); this module
 only decides which run, on which sub-mesh of the one DeviceMesh, and in what order:
@@ -27,6 +27,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
 from .checkpointing import apply_activation_checkpointing
+from .compiling import TorchDynamoPlugin, compile_model
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
 from .engines import is_dtensor
@@ -74,6 +75,7 @@ def parallelize(
     device: torch.device,
     ddp_kwargs: dict[str, Any],
     param_dtype: torch.dtype | None = None,
+    dynamo: TorchDynamoPlugin | None = None,
 ) -> nn.Module:
     """Wrap `model` (already on `device`) for `config` over `mesh`; returns the module to train.
 
@@ -82,9 +84,10 @@ def parallelize(
     the wrappers create and use process groups.
     param_dtype: the mixed-precision compute dtype (bf16, fp16), or None in full precision; FSDP2 then
     gathers parameters in it (see `sharded_mixed_precision`).
+    dynamo: compile the model (per block) before the data-parallel engine wraps it, or None.
     """
     if (config.pp_size or 1) == 1:
-        return _parallelize_part(model, config, mesh, device, ddp_kwargs, param_dtype)
+        return _parallelize_part(model, config, mesh, device, ddp_kwargs, param_dtype, dynamo)
     pp_mesh = mesh["pp"]
     if (config.tp_size or 1) > 1 and config.tp_plan is not None:
         from .tensor import check_tensor_parallel
@@ -94,7 +97,12 @@ def parallelize(
         model, pp_mesh.get_local_rank(), config.pp_size, config.pp_split_points, config.pp_schedule
     )
     parts = [
-        (index, _parallelize_part(stage, _for_stage(config, stage), mesh, device, ddp_kwargs, param_dtype))
+        (
+            index,
+            _parallelize_part(
+                stage, _for_stage(config, stage), mesh, device, ddp_kwargs, param_dtype, dynamo
+            ),
+        )
         for index, stage in stages
     ]
     return build_pipeline(parts, pp_mesh, config.pp_schedule, pipeline_microbatches(config), device)
@@ -123,9 +131,11 @@ def _parallelize_part(
     device: torch.device,
     ddp_kwargs: dict[str, Any],
     param_dtype: torch.dtype | None,
+    dynamo: TorchDynamoPlugin | None = None,
 ) -> nn.Module:
-    """Tensor parallel, activation checkpointing, then the data-parallel engine, on a whole model or one
-    pipeline stage (torchtitan's order: FSDP2 shards blocks whose checkpoint hooks are already there)."""
+    """Tensor parallel, activation checkpointing, compile, then the data-parallel engine, on a whole model
+    or one pipeline stage (torchtitan's order: FSDP2 shards blocks whose checkpoint hooks are already
+    there, and compiled blocks run those hooks eagerly around the compiled forward)."""
     if (config.tp_size or 1) > 1:
         # A user's plan already says which styles it wants; the two flags choose the built-in plan's.
         builtin = config.tp_plan is None
@@ -140,6 +150,7 @@ def _parallelize_part(
         )
     if config.activation_checkpointing:
         apply_activation_checkpointing(model, config.activation_checkpointing, config.zero_blocks)
+    compile_model(model, dynamo, config)
     engine = data_parallel_engine(config)
     trainable = any(p.requires_grad for p in model.parameters())
     # A frozen model (a teacher, a reference model) has nothing for DDP to synchronise, and DDP refuses

@@ -124,9 +124,10 @@ def unwrap(model: torch.nn.Module, keep_torch_compile: bool = False) -> torch.nn
     """The user's module inside any wrapper unison (or torch.compile) put around it.
 
     keep_torch_compile: the OptimizedModule of torch.compile(the user's module) instead, as Accelerate's
-    unwrap_model gives by default: the user compiled the model before prepare() (unison compiles
-    nothing). A compiled wrapper (torch.compile of what prepare() returned) is unwrapped all the same:
-    it is not the user's module compiled.
+    unwrap_model gives by default: the user compiled the model before prepare() (prepare()'s own
+    compilation, dynamo_backend=, compiles in place and adds no wrapper). A compiled wrapper
+    (torch.compile of what prepare() returned) is unwrapped all the same: it is not the user's module
+    compiled.
     """
     compiled = None
     while True:
