@@ -38,6 +38,7 @@ import torch.nn.functional as F
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "examples" / "gpt"))
 sys.path.insert(0, str(HERE))
+import raw_layouts  # noqa: E402
 from machine import describe_machine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
@@ -72,6 +73,33 @@ LAYOUTS = {
     },
 }
 MICROBATCHES = (1, 2, 4, 8)
+PP_MICROBATCHES = 4
+# unison layout -> its raw torch twin (raw_layouts.py), given a fresh model with the same weights
+RAW = {
+    2: {
+        "ddp": raw_layouts.ddp,
+        "zero2": lambda model: raw_layouts.zero(model, 2),
+        "zero3": lambda model: raw_layouts.zero(model, 3),
+        "tp_size=2": lambda model: raw_layouts.tensor_parallel(model, 2),
+        f"pp_size=2,pp_microbatches={PP_MICROBATCHES}": lambda model: raw_layouts.pipeline(
+            model, [0, 2], PP_MICROBATCHES
+        ),
+    },
+    4: {
+        "ddp": raw_layouts.ddp,
+        "zero2": lambda model: raw_layouts.zero(model, 2),
+        "zero3": lambda model: raw_layouts.zero(model, 3),
+        "tp_size=4": lambda model: raw_layouts.tensor_parallel(model, 4),
+        f"pp_size=4,pp_microbatches={PP_MICROBATCHES}": lambda model: raw_layouts.pipeline(
+            model, [0, 1, 2, 3], PP_MICROBATCHES
+        ),
+    },
+}
+# the same TP layout against raw torch running unison's own plan: what the wrapping costs, plan aside
+FUSED_PLAN = " (raw with unison's plan)"
+RAW_TARGET = 1.02  # unison step time / raw torch step time, at most
+RAW_LOSS_TOLERANCE = 1e-4  # |unison loss - raw loss| at every step: both sides do the same arithmetic
+PARTS = ("layouts", "bubble", "raw")
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,6 +110,10 @@ def parse_args() -> argparse.Namespace:
     arg("--nproc", type=int, nargs="+", default=[2, 4], choices=sorted(LAYOUTS), help="process counts")
     arg("--steps", type=int, default=8, help="timed optimizer steps per layout")
     arg("--bubble-micro-batch", type=int, default=4, help="sequences per pipeline micro-batch")
+    arg("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which comparisons to run")
+    arg("--rounds", type=int, default=20, help="interleaved rounds of the unison vs raw torch comparison")
+    arg("--steps-per-round", type=int, default=5, help="steps of each side per round")
+    arg("--layout", nargs="+", help="unison vs raw torch: only these layouts (default: all of --nproc)")
     arg("--out", type=Path, default=HERE / "results" / "strategies.json")
     arg("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run the layouts, write JSON here
     return parser.parse_args()
@@ -139,57 +171,142 @@ def run_layout(layout: str, steps: int, batch_per_rank: int | None = None) -> di
     return {"step_s": statistics.median(times), "fb_s": statistics.median(schedule_times), "bytes": memory}
 
 
-def worker(out: Path, steps: int, bubble_micro_batch: int) -> None:
+def compare_with_raw(layout: str, build_raw, args: argparse.Namespace) -> dict:
+    """The same training step through unison and through raw torch, in interleaved rounds.
+
+    Both sides start from the same weights and train on the same batch; each round runs
+    --steps-per-round steps of one side, then of the other (which side goes first alternates), after
+    two untimed steps of each. Per step: seconds on this rank, and the loss (NaN on pipeline ranks
+    without the last stage in the raw loop, which gets the loss there only).
+    """
+    accelerator = Accelerator(cpu=True, parallelism=layout)
+    model = make_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    raw_step = build_raw(make_model())
+    per_rank = GLOBAL_BATCH // accelerator.parallelism.dp_size
+    tokens = torch.randint(0, VOCAB, (per_rank, BLOCK + 1), generator=torch.Generator().manual_seed(0))
+    x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def unison_step() -> torch.Tensor:
+        with accelerator.accumulate(model):
+            loss = accelerator.forward_backward(model, x, y, next_token_loss)
+            optimizer.step()
+            optimizer.zero_grad()
+        return loss
+
+    sides = {"raw": lambda: raw_step(x, y), "unison": unison_step}
+    times: dict[str, list[float]] = {"raw": [], "unison": []}
+    losses: dict[str, list[float]] = {"raw": [], "unison": []}
+    for name, step in sides.items():
+        for _ in range(2):
+            losses[name].append(step().item())
+    for index in range(args.rounds):
+        for name in ("raw", "unison") if index % 2 == 0 else ("unison", "raw"):
+            torch.distributed.barrier()
+            for _ in range(args.steps_per_round):
+                start = time.perf_counter()
+                loss = sides[name]()
+                times[name].append(time.perf_counter() - start)
+                losses[name].append(loss.item())
+    return {"times": times, "losses": losses}
+
+
+def raw_layouts_for(nproc: int, only: list[str] | None) -> dict:
+    layouts = dict(RAW[nproc])
+    tp = f"tp_size={nproc}"
+    layouts[tp + FUSED_PLAN] = lambda model: raw_layouts.tensor_parallel(model, nproc, fused_plan=True)
+    return {k: v for k, v in layouts.items() if only is None or k in only}
+
+
+def worker(out: Path, args: argparse.Namespace) -> None:
     state = PartialState(cpu=True)
     torch.set_num_threads(1)
-    results: dict = {"layouts": {}, "bubble": []}
-    for layout in LAYOUTS[state.num_processes]:
-        result = run_layout(layout, steps)
-        gathered = [None] * state.num_processes
-        torch.distributed.all_gather_object(gathered, result["bytes"])
-        results["layouts"][layout] = {"step_s": result["step_s"], "bytes_per_rank": gathered}
-    if state.num_processes == 2:
+    results: dict = {"layouts": {}, "bubble": [], "raw": {}}
+    if "layouts" in args.parts:
+        for layout in LAYOUTS[state.num_processes]:
+            result = run_layout(layout, args.steps)
+            gathered = [None] * state.num_processes
+            torch.distributed.all_gather_object(gathered, result["bytes"])
+            results["layouts"][layout] = {"step_s": result["step_s"], "bytes_per_rank": gathered}
+    if state.num_processes == 2 and "bubble" in args.parts:
         for m in MICROBATCHES:
             layout = f"pp_size=2,pp_microbatches={m},pp_schedule=1f1b"
-            timing = run_layout(layout, max(steps, 20), batch_per_rank=m * bubble_micro_batch)
+            timing = run_layout(layout, max(args.steps, 20), batch_per_rank=m * args.bubble_micro_batch)
             results["bubble"].append({"p": 2, "m": m, "step_s": timing["fb_s"]})
+    if "raw" in args.parts:
+        for name, build_raw in raw_layouts_for(state.num_processes, args.layout).items():
+            layout = name.removesuffix(FUSED_PLAN)
+            gathered = [None] * state.num_processes
+            torch.distributed.all_gather_object(gathered, compare_with_raw(layout, build_raw, args))
+            results["raw"][name] = gathered
     if state.is_main_process:
         out.write_text(json.dumps(results))
 
 
-def launch(nproc: int, steps: int, bubble_micro_batch: int) -> dict:
+def launch(nproc: int, args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "result.json"
-        command = [
-            sys.executable,
-            "-m",
-            "unison",
-            "launch",
-            "--nproc-per-node",
-            str(nproc),
-            "--cpu",
-            __file__,
-        ]
-        command += [
-            "--worker",
-            str(out),
-            "--steps",
-            str(steps),
-            "--bubble-micro-batch",
-            str(bubble_micro_batch),
-        ]
+        command = [sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(nproc), "--cpu"]
+        command += [__file__]
+        command += ["--worker", str(out), "--steps", str(args.steps), "--parts", *args.parts]
+        command += ["--bubble-micro-batch", str(args.bubble_micro_batch), "--rounds", str(args.rounds)]
+        command += ["--steps-per-round", str(args.steps_per_round)]
+        if args.layout:
+            command += ["--layout", *args.layout]
         subprocess.run(command, check=True)
         return json.loads(out.read_text())
+
+
+def summarise_raw(nproc: int, name: str, ranks: list[dict], steps_per_round: int) -> dict:
+    """unison/raw of one layout: the step time is the slowest rank's, step by step."""
+    times = {
+        side: [max(r["times"][side][i] for r in ranks) for i in range(len(ranks[0]["times"][side]))]
+        for side in ("raw", "unison")
+    }
+    n = steps_per_round
+    round_ratios = [
+        statistics.median(times["unison"][i : i + n]) / statistics.median(times["raw"][i : i + n])
+        for i in range(0, len(times["raw"]), n)
+    ]
+    # the loss where both sides have it (a raw pipeline has it on its last stage only)
+    differences = [
+        abs(u - r)
+        for rank in ranks
+        for u, r in zip(rank["losses"]["unison"], rank["losses"]["raw"], strict=True)
+        if not math.isnan(r)
+    ]
+    raw_s, unison_s = statistics.median(times["raw"]), statistics.median(times["unison"])
+    return {
+        "processes": nproc,
+        "layout": name,
+        "raw_ms": 1000 * raw_s,
+        "unison_ms": 1000 * unison_s,
+        "ratio": unison_s / raw_s,
+        "median_round_ratio": statistics.median(round_ratios),
+        "round_ratios": round_ratios,
+        "max_loss_difference": max(differences),
+        "first_loss": ranks[-1]["losses"]["unison"][0],
+        "last_loss": ranks[-1]["losses"]["unison"][-1],
+        "raw_s": times["raw"],
+        "unison_s": times["unison"],
+    }
 
 
 def report(args: argparse.Namespace) -> None:
     fp32 = next(p for p in PRECISIONS if p.name == "fp32")
     psi = make_model().num_parameters()
-    rows, bubble = [], []
+    rows, bubble, raw = [], [], []
     for nproc in args.nproc:
-        measured = launch(nproc, args.steps, args.bubble_micro_batch)
-        ddp_time = measured["layouts"]["ddp"]["step_s"]
+        measured = launch(nproc, args)
+        for name, ranks in measured["raw"].items():
+            raw.append(summarise_raw(nproc, name, ranks, args.steps_per_round))
+        if "layouts" not in args.parts:
+            measured["layouts"] = {}
+        ddp_time = measured["layouts"].get("ddp", {}).get("step_s")
         for layout, (strategy, devices, split) in LAYOUTS[nproc].items():
+            if layout not in measured["layouts"]:
+                continue
             entry = measured["layouts"][layout]
             part = math.ceil(psi / split)
             formula = sum(model_state_bytes(strategy, fp32, part, part, devices))
@@ -214,8 +331,21 @@ def report(args: argparse.Namespace) -> None:
             point["measured_bubble"] = 1 - point["m"] * stage_time / point["step_s"]
             point["formula_bubble"] = pipeline_bubble_fraction(point["p"], point["m"])
     print(f"GPT example, {psi:,} parameters, fp32 AdamW, {GLOBAL_BATCH} x {BLOCK} tokens per step")
+    if raw:
+        print(
+            f"\nunison vs raw torch, {args.rounds} interleaved rounds x {args.steps_per_round} steps "
+            f"(target unison/raw <= {RAW_TARGET})"
+        )
+        header = ("procs", "layout", "raw ms", "unison ms", "ratio", "rounds", "loss diff")
+        print("{:>5} {:<46} {:>8} {:>9} {:>6} {:>6} {:>9}".format(*header))
+        for r in raw:
+            print(
+                f"{r['processes']:>5} {r['layout']:<46} {r['raw_ms']:8.1f} {r['unison_ms']:9.1f} "
+                f"{r['ratio']:6.3f} {r['median_round_ratio']:6.3f} {r['max_loss_difference']:9.1e}"
+            )
     header = ("procs", "layout", "step ms", "/ddp", "bytes/rank", "formula", "/16Psi")
-    print("{:>5} {:<46} {:>8} {:>6} {:>11} {:>9} {:>7}".format(*header))
+    if rows:
+        print("\n{:>5} {:<46} {:>8} {:>6} {:>11} {:>9} {:>7}".format(*header))
     for r in rows:
         print(
             f"{r['processes']:>5} {r['layout']:<46} {r['step_ms']:8.1f} {r['step_vs_ddp']:6.2f} "
@@ -230,19 +360,27 @@ def report(args: argparse.Namespace) -> None:
                 f"{point['formula_bubble']:14.3f}"
             )
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    settings = {"steps": args.steps, "global_batch": GLOBAL_BATCH, "block": BLOCK, "parameters": psi}
-    args.out.write_text(
-        json.dumps(
-            {"machine": describe_machine(), "settings": settings, "layouts": rows, "bubble": bubble}, indent=1
-        )
-    )
+    settings = {
+        "steps": args.steps,
+        "global_batch": GLOBAL_BATCH,
+        "block": BLOCK,
+        "parameters": psi,
+        "rounds": args.rounds,
+        "steps_per_round": args.steps_per_round,
+        "pp_microbatches": PP_MICROBATCHES,
+    }
+    result = {"machine": describe_machine(), "settings": settings, "layouts": rows, "bubble": bubble}
+    args.out.write_text(json.dumps({**result, "versus_raw": raw}, indent=1))
     print(f"\nwritten to {args.out}")
+    unfair = [r["layout"] for r in raw if not r["max_loss_difference"] <= RAW_LOSS_TOLERANCE]
+    if unfair:
+        raise SystemExit(f"unison and raw torch computed different losses in {unfair}: not the same step")
 
 
 def main() -> None:
     args = parse_args()
     if args.worker is not None:
-        worker(args.worker, args.steps, args.bubble_micro_batch)
+        worker(args.worker, args)
     else:
         report(args)
 
