@@ -159,4 +159,5 @@ def pipeline(model: nn.Module, starts: list[int], microbatches: int) -> Step:
         optimizer.zero_grad(set_to_none=True)
         return torch.stack(losses).mean() if losses else torch.full((), float("nan"))
 
+    step.blocks = [f"transformer.h.{i}" for i in range(starts[rank], ends[rank])]  # type: ignore[attr-defined]
     return step

@@ -44,7 +44,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 from unison import Accelerator, PartialState  # noqa: E402
 from unison.memory import PRECISIONS, model_state_bytes  # noqa: E402
-from unison.parallel.pipeline import pipeline_bubble_fraction  # noqa: E402
+from unison.parallel.pipeline import PipelineModel, pipeline_bubble_fraction  # noqa: E402
 
 GLOBAL_BATCH = 16  # sequences per optimizer step, every layout
 BLOCK = 64
@@ -111,8 +111,8 @@ def parse_args() -> argparse.Namespace:
     arg("--steps", type=int, default=8, help="timed optimizer steps per layout")
     arg("--bubble-micro-batch", type=int, default=4, help="sequences per pipeline micro-batch")
     arg("--parts", nargs="+", default=list(PARTS), choices=PARTS, help="which comparisons to run")
-    arg("--rounds", type=int, default=20, help="interleaved rounds of the unison vs raw torch comparison")
-    arg("--steps-per-round", type=int, default=5, help="steps of each side per round")
+    arg("--rounds", type=int, default=40, help="interleaved rounds of the unison vs raw torch comparison")
+    arg("--steps-per-round", type=int, default=3, help="steps of each side per round")
     arg("--layout", nargs="+", help="unison vs raw torch: only these layouts (default: all of --nproc)")
     arg("--out", type=Path, default=HERE / "results" / "strategies.json")
     arg("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run the layouts, write JSON here
@@ -184,6 +184,10 @@ def compare_with_raw(layout: str, build_raw, args: argparse.Namespace) -> dict:
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     model, optimizer = accelerator.prepare(model, optimizer)
     raw_step = build_raw(make_model())
+    if isinstance(model, PipelineModel):  # the same split on both sides: this rank's blocks
+        held = [path for stage in model.stage_modules for path in stage.pieces if ".h." in path]
+        if held != raw_step.blocks:
+            raise RuntimeError(f"{layout}: unison's stage holds {held}, the raw one {raw_step.blocks}")
     per_rank = GLOBAL_BATCH // accelerator.parallelism.dp_size
     tokens = torch.randint(0, VOCAB, (per_rank, BLOCK + 1), generator=torch.Generator().manual_seed(0))
     x, y = tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
@@ -197,6 +201,7 @@ def compare_with_raw(layout: str, build_raw, args: argparse.Namespace) -> dict:
 
     sides = {"raw": lambda: raw_step(x, y), "unison": unison_step}
     times: dict[str, list[float]] = {"raw": [], "unison": []}
+    cpu: dict[str, list[float]] = {"raw": [], "unison": []}
     losses: dict[str, list[float]] = {"raw": [], "unison": []}
     for name, step in sides.items():
         for _ in range(2):
@@ -205,11 +210,12 @@ def compare_with_raw(layout: str, build_raw, args: argparse.Namespace) -> dict:
         for name in ("raw", "unison") if index % 2 == 0 else ("unison", "raw"):
             torch.distributed.barrier()
             for _ in range(args.steps_per_round):
-                start = time.perf_counter()
+                start, start_cpu = time.perf_counter(), time.process_time()
                 loss = sides[name]()
                 times[name].append(time.perf_counter() - start)
+                cpu[name].append(time.process_time() - start_cpu)  # all this process's threads
                 losses[name].append(loss.item())
-    return {"times": times, "losses": losses}
+    return {"times": times, "cpu": cpu, "losses": losses}
 
 
 def raw_layouts_for(nproc: int, only: list[str] | None) -> dict:
@@ -277,6 +283,9 @@ def summarise_raw(nproc: int, name: str, ranks: list[dict], steps_per_round: int
         if not math.isnan(r)
     ]
     raw_s, unison_s = statistics.median(times["raw"]), statistics.median(times["unison"])
+    # the work: CPU seconds of all ranks together per step (waiting for a peer or for a core costs none)
+    cpu = {side: [sum(r["cpu"][side][i] for r in ranks) for i in range(len(times[side]))] for side in times}
+    raw_cpu, unison_cpu = statistics.median(cpu["raw"]), statistics.median(cpu["unison"])
     return {
         "processes": nproc,
         "layout": name,
@@ -284,12 +293,18 @@ def summarise_raw(nproc: int, name: str, ranks: list[dict], steps_per_round: int
         "unison_ms": 1000 * unison_s,
         "ratio": unison_s / raw_s,
         "median_round_ratio": statistics.median(round_ratios),
+        "round_ratio_quartiles": statistics.quantiles(round_ratios, n=4) if len(round_ratios) > 1 else None,
         "round_ratios": round_ratios,
+        "raw_cpu_ms": 1000 * raw_cpu,
+        "unison_cpu_ms": 1000 * unison_cpu,
+        "cpu_ratio": unison_cpu / raw_cpu,
         "max_loss_difference": max(differences),
         "first_loss": ranks[-1]["losses"]["unison"][0],
         "last_loss": ranks[-1]["losses"]["unison"][-1],
         "raw_s": times["raw"],
         "unison_s": times["unison"],
+        "raw_cpu_s": cpu["raw"],
+        "unison_cpu_s": cpu["unison"],
     }
 
 
@@ -336,12 +351,14 @@ def report(args: argparse.Namespace) -> None:
             f"\nunison vs raw torch, {args.rounds} interleaved rounds x {args.steps_per_round} steps "
             f"(target unison/raw <= {RAW_TARGET})"
         )
-        header = ("procs", "layout", "raw ms", "unison ms", "ratio", "rounds", "loss diff")
-        print("{:>5} {:<46} {:>8} {:>9} {:>6} {:>6} {:>9}".format(*header))
+        header = ("procs", "layout", "raw ms", "unison ms", "ratio", "rounds", "IQR", "cpu", "loss diff")
+        print("{:>5} {:<40} {:>8} {:>9} {:>6} {:>6} {:>11} {:>6} {:>9}".format(*header))
         for r in raw:
+            low, _, high = r["round_ratio_quartiles"] or (math.nan,) * 3
             print(
-                f"{r['processes']:>5} {r['layout']:<46} {r['raw_ms']:8.1f} {r['unison_ms']:9.1f} "
-                f"{r['ratio']:6.3f} {r['median_round_ratio']:6.3f} {r['max_loss_difference']:9.1e}"
+                f"{r['processes']:>5} {r['layout']:<40} {r['raw_ms']:8.1f} {r['unison_ms']:9.1f} "
+                f"{r['ratio']:6.3f} {r['median_round_ratio']:6.3f} {low:5.3f}-{high:5.3f} "
+                f"{r['cpu_ratio']:6.3f} {r['max_loss_difference']:9.1e}"
             )
     header = ("procs", "layout", "step ms", "/ddp", "bytes/rank", "formula", "/16Psi")
     if rows:
