@@ -114,6 +114,7 @@ def parse_args() -> argparse.Namespace:
     arg("--rounds", type=int, default=40, help="interleaved rounds of the unison vs raw torch comparison")
     arg("--steps-per-round", type=int, default=3, help="steps of each side per round")
     arg("--layout", nargs="+", help="unison vs raw torch: only these layouts (default: all of --nproc)")
+    arg("--ops", action="store_true", help="unison vs raw torch: also count the operators of each step")
     arg("--out", type=Path, default=HERE / "results" / "strategies.json")
     arg("--worker", type=Path, help=argparse.SUPPRESS)  # internal: run the layouts, write JSON here
     return parser.parse_args()
@@ -215,7 +216,25 @@ def compare_with_raw(layout: str, build_raw, args: argparse.Namespace) -> dict:
                 times[name].append(time.perf_counter() - start)
                 cpu[name].append(time.process_time() - start_cpu)  # all this process's threads
                 losses[name].append(loss.item())
-    return {"times": times, "cpu": cpu, "losses": losses}
+    return {"times": times, "cpu": cpu, "losses": losses, "extra_ops": extra_ops(sides) if args.ops else {}}
+
+
+def extra_ops(sides: dict) -> dict[str, float]:
+    """Operators (torch.profiler's names: aten ops, collectives) whose count per step differs between the
+    two sides, unison's count minus raw's: a noise-free view of what the wrapping adds (or saves)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    steps, counts = 4, {}
+    for name, step in sides.items():
+        torch.distributed.barrier()
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(steps):
+                step()
+        counts[name] = Counter({event.key: event.count for event in prof.key_averages()})
+    raw, unison = counts["raw"], counts["unison"]
+    return {op: (unison[op] - raw[op]) / steps for op in sorted(raw | unison) if unison[op] != raw[op]}
 
 
 def raw_layouts_for(nproc: int, only: list[str] | None) -> dict:
@@ -257,7 +276,7 @@ def launch(nproc: int, args: argparse.Namespace) -> dict:
         command += [__file__]
         command += ["--worker", str(out), "--steps", str(args.steps), "--parts", *args.parts]
         command += ["--bubble-micro-batch", str(args.bubble_micro_batch), "--rounds", str(args.rounds)]
-        command += ["--steps-per-round", str(args.steps_per_round)]
+        command += ["--steps-per-round", str(args.steps_per_round)] + (["--ops"] if args.ops else [])
         if args.layout:
             command += ["--layout", *args.layout]
         subprocess.run(command, check=True)
@@ -303,9 +322,19 @@ def summarise_raw(nproc: int, name: str, ranks: list[dict], steps_per_round: int
         "last_loss": ranks[-1]["losses"]["unison"][-1],
         "raw_s": times["raw"],
         "unison_s": times["unison"],
+        "extra_ops_per_step": [rank["extra_ops"] for rank in ranks],
         "raw_cpu_s": cpu["raw"],
         "unison_cpu_s": cpu["unison"],
     }
+
+
+def describe_ops(difference: dict[str, float]) -> str:
+    """'gloo:all_gather +16, ...; other ops +1,200 -4' from an operator -> count difference."""
+    collective = {op: n for op, n in difference.items() if op.startswith(("gloo:", "c10d::"))}
+    others = [n for op, n in difference.items() if op not in collective]
+    said = ", ".join(f"{op} {n:+g}" for op, n in collective.items())
+    more, fewer = sum(n for n in others if n > 0), sum(n for n in others if n < 0)
+    return f"{said or 'same collectives'}; other ops {more:+g} {fewer:+g}"
 
 
 def report(args: argparse.Namespace) -> None:
@@ -360,6 +389,11 @@ def report(args: argparse.Namespace) -> None:
                 f"{r['ratio']:6.3f} {r['median_round_ratio']:6.3f} {low:5.3f}-{high:5.3f} "
                 f"{r['cpu_ratio']:6.3f} {r['max_loss_difference']:9.1e}"
             )
+    if args.ops and raw:
+        print("\noperators per step, unison minus raw torch (first rank | last rank)")
+        for r in raw:
+            ends = (r["extra_ops_per_step"][0], r["extra_ops_per_step"][-1])
+            print(f"{r['processes']:>5} {r['layout']:<40} {' | '.join(describe_ops(d) for d in ends)}")
     header = ("procs", "layout", "step ms", "/ddp", "bytes/rank", "formula", "/16Psi")
     if rows:
         print("\n{:>5} {:<46} {:>8} {:>6} {:>11} {:>9} {:>7}".format(*header))
