@@ -45,4 +45,5 @@ def test_gpu_benchmark_smoke_run_on_cpu():
     command = [sys.executable, str(BENCHMARKS / "gpu_gpt.py"), "--smoke"]
     result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "unison / raw" in result.stdout and "largest loss difference 0.00e+00" in result.stdout, result.stdout
+    assert "unison / raw" in result.stdout, result.stdout
+    assert "largest loss difference 0.00e+00" in result.stdout, result.stdout  # fp32: the same arithmetic
