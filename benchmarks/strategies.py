@@ -1,7 +1,9 @@
-"""Step time and per-rank memory of every parallel layout on the GPT example, and the pipeline bubble.
+"""Step time and per-rank memory of every parallel layout on the GPT example, the pipeline bubble, and
+what unison's wrapping costs against the same step written with raw torch.
 
-    python benchmarks/strategies.py                      # 2 and 4 processes, about 5 minutes on 2 cores
-    python benchmarks/strategies.py --nproc 2 --steps 6
+    python benchmarks/strategies.py --parts layouts bubble   # 2 and 4 processes, a few minutes on 2 cores
+    python benchmarks/strategies.py --nproc 2 --steps 6 --parts layouts
+    python benchmarks/strategies.py --parts raw --ops        # unison vs raw torch, about 10 minutes
 
 For each process count the script launches itself under `unison launch --cpu` and trains the GPT
 example's model (4 layers x 128, 64-character context, AdamW) through `Accelerator(parallelism=...)`
@@ -16,6 +18,12 @@ and `forward_backward` under each layout, with the same global batch per optimiz
    m = 1, 2, 4, 8 micro-batches. m = 1 is naive model parallelism, where the stages run one after
    the other, so one stage's work is t = T(1) / p; the measured bubble is 1 - m t / T(m), the
    share of the step a rank waits, against the schedule's (p - 1) / (m + p - 1).
+3. Unison vs raw torch (ddp, zero2, zero3, tp, pp): the same step through unison and through the raw
+   torch twin of raw_layouts.py, from the same weights on the same batch, in interleaved rounds of
+   --steps-per-round steps; unison/raw of the median step time (slowest rank), of each round, and of
+   the CPU seconds of all ranks (the work, blind to waiting for a busy core). The losses of every step
+   must agree within RAW_LOSS_TOLERANCE, or the script fails: both sides do the same arithmetic.
+   --ops also counts each step's operators with torch.profiler (unison minus raw).
 
 The main process prints the tables and writes everything as JSON to --out.
 """
