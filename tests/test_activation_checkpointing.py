@@ -233,3 +233,14 @@ def test_state_dict_loads_across_checkpointing_on_and_off():
     )
     checkpointed.load_state_dict(plain.state_dict())
     assert list(checkpointed.state_dict()) == list(plain.state_dict())
+
+
+def test_op_level_selective_with_sharded_mixed_precision_is_refused_before_any_step():
+    """torch 2.13's selective checkpointing fails in backward under FSDP2's bf16 hooks (measured on
+    ZeRO-3 at 2 processes); refused up front with the modes that work. Full precision and DDP are fine."""
+    from unison.parallel.apply import _refuse_op_level_under_sharded_precision
+    from unison.parallel.config import ParallelismConfig
+
+    with pytest.raises(ValueError, match=r"Use activation_checkpointing='full' or 'selective:K'"):
+        _refuse_op_level_under_sharded_precision(ParallelismConfig(zero_stage=3).validate(2))
+    _refuse_op_level_under_sharded_precision(ParallelismConfig().validate(2))  # DDP: autocast, no refusal

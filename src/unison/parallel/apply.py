@@ -26,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 from torch.utils._pytree import tree_map
 
-from .checkpointing import apply_activation_checkpointing
+from .checkpointing import SELECTIVE_OP, apply_activation_checkpointing
 from .compiling import TorchDynamoPlugin, compile_model
 from .config import ParallelismConfig
 from .ddp import wrap_data_parallel, wrap_ddp
@@ -149,6 +149,8 @@ def _parallelize_part(
             loss_parallel=config.loss_parallel and builtin,
         )
     if config.activation_checkpointing:
+        if config.activation_checkpointing == SELECTIVE_OP and param_dtype is not None:
+            _refuse_op_level_under_sharded_precision(config)
         apply_activation_checkpointing(model, config.activation_checkpointing, config.zero_blocks)
     compile_model(model, dynamo, config)
     engine = data_parallel_engine(config)
@@ -171,6 +173,20 @@ def _parallelize_part(
         mixed_precision_policy=sharded_mixed_precision(param_dtype),
         offload_policy=host_offload(device) if config.offload else None,
     )
+
+
+def _refuse_op_level_under_sharded_precision(config: ParallelismConfig) -> None:
+    """Op-level selective checkpointing fails in backward when FSDP2 gathers bf16/fp16 weights (torch
+    2.13: "profiler._record_function_enter_new.default encountered during backward but not found in
+    storage": FSDP2's mixed-precision hooks record a profiler op in the recomputation that the forward
+    did not). Said before any step, with the modes that work."""
+    if data_parallel_engine(config) == "fsdp":
+        raise ValueError(
+            f"activation_checkpointing='selective' (op-level) with mixed precision under "
+            f"{config.describe()}: torch's selective checkpointing meets FSDP2's mixed-precision hooks in "
+            "the recomputation and fails in backward. Use activation_checkpointing='full' or "
+            "'selective:K' (every K-th block), or op-level selective in full precision."
+        )
 
 
 def host_offload(device: torch.device) -> OffloadPolicy:
