@@ -385,3 +385,12 @@ def test_availability_probes_answer_from_torch_and_the_installed_packages(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
     assert unison.utils.is_wandb_available() and unison.utils.is_pytest_available()
     assert not unison.utils.is_mlflow_available() and not unison.utils.is_tensorboard_available()
+
+
+def test_ddp_static_graph_accumulates_like_one_process(tmp_path):
+    """DistributedDataParallelKwargs(static_graph=True) with accumulation: torch's reducer fails an internal
+    assert if the first backward skips the all-reduce, so that micro-step synchronises; the parameters
+    after 3 windows equal one process's (SGD with momentum)."""
+    out = tmp_path / "difference.txt"
+    launch_ok(WORKERS / "static_graph_worker.py", 2, out)
+    assert float(out.read_text()) < 1e-6

@@ -6,6 +6,7 @@ Also the one place that knows how each data-parallel engine skips its gradient s
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -51,6 +52,10 @@ def check_data_parallel_devices(visible_gpus: int) -> None:
         )
 
 
+_STATIC_GRAPH_SEEN: weakref.WeakSet = weakref.WeakSet()
+"""DDP modules with static_graph=True that ran a synchronised micro-step (see skip_gradient_sync)."""
+
+
 @contextlib.contextmanager
 def skip_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
     """Backward inside accumulates local gradients without communication (non-final micro-steps).
@@ -58,8 +63,17 @@ def skip_gradient_sync(model: torch.nn.Module) -> Iterator[None]:
     DDP (and ZeRO-1, which runs under DDP) keeps them local until a backward outside `no_sync`
     all-reduces; FSDP2 (ZeRO-2/3) keeps unsharded gradients until a synchronised backward
     reduce-scatters their sum. Anything else has nothing to skip.
+
+    DDP with static_graph=True cannot skip before one synchronised backward has shown it the graph (torch
+    2.13's reducer fails an internal assert, expect_autograd_hooks_): that first micro-step all-reduces.
+    The window's result is the same, as the last backward all-reduces the accumulated sum, and the
+    mean of a sum whose first part is already averaged is the mean of the whole.
     """
     if isinstance(model, DistributedDataParallel):
+        if model.static_graph and model not in _STATIC_GRAPH_SEEN:
+            _STATIC_GRAPH_SEEN.add(model)
+            yield
+            return
         with model.no_sync():
             yield
     elif is_fsdp_module(model):
