@@ -11,9 +11,8 @@ optimizer, the same micro-batches.
 - TP: `parallelize_module` with the Megatron plan (embeddings and head split over the vocabulary,
   column- then row-parallel projections), the tied embedding re-tied after it. The fused q|k|v
   projection has its rows permuted once, before sharding, so that a plain column split gives rank r
-  its heads of q, k and v (the model's `chunk(3)` then splits them); `fused_plan=True` instead uses
-  unison's own plan (its `FusedColwiseParallel` redistributes the weight every forward), so the
-  wrapping alone can be told apart from the plan.
+  its heads of q, k and v (the model's `chunk(3)` then splits them), as unison's `FusedColwiseParallel`
+  does at prepare().
 - PP: one stage module per rank holding the model's own blocks (the first with the embeddings, the
   last with the final norm and the head), `PipelineStage` + `Schedule1F1B`; the weight tied between
   the first and the last stage has its gradient all-reduced over those two ranks after each step, as
@@ -81,27 +80,22 @@ def _interleave_qkv(linear: nn.Linear, tp: int) -> None:
         tensor.copy_(torch.cat([torch.cat((q[i], k[i], v[i])) for i in range(tp)]))
 
 
-def tensor_parallel(model: nn.Module, tp: int, fused_plan: bool = False) -> Step:
+def tensor_parallel(model: nn.Module, tp: int) -> Step:
     from torch.distributed.tensor import Replicate
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
     mesh = init_device_mesh("cpu", (tp,), mesh_dim_names=("tp",))
-    if fused_plan:
-        from unison.parallel.tensor import tensor_parallel_plan
-
-        plan = tensor_parallel_plan(model)
-    else:
-        for block in model.transformer.h:
-            _interleave_qkv(block.attn.c_attn, tp)
-        plan = {
-            "transformer.wte": RowwiseParallel(input_layouts=Replicate()),
-            "transformer.wpe": RowwiseParallel(input_layouts=Replicate()),
-            "transformer.h.*.attn.c_attn": ColwiseParallel(),
-            "transformer.h.*.attn.c_proj": RowwiseParallel(),
-            "transformer.h.*.mlp.c_fc": ColwiseParallel(),
-            "transformer.h.*.mlp.c_proj": RowwiseParallel(),
-            "lm_head": ColwiseParallel(output_layouts=Replicate()),
-        }
+    for block in model.transformer.h:
+        _interleave_qkv(block.attn.c_attn, tp)
+    plan = {
+        "transformer.wte": RowwiseParallel(input_layouts=Replicate()),
+        "transformer.wpe": RowwiseParallel(input_layouts=Replicate()),
+        "transformer.h.*.attn.c_attn": ColwiseParallel(),
+        "transformer.h.*.attn.c_proj": RowwiseParallel(),
+        "transformer.h.*.mlp.c_fc": ColwiseParallel(),
+        "transformer.h.*.mlp.c_proj": RowwiseParallel(),
+        "lm_head": ColwiseParallel(output_layouts=Replicate()),
+    }
     parallelize_module(model, mesh, plan)
     model.lm_head.weight = model.transformer.wte.weight  # each style made its own copy: tie them again
     return _plain_step(model, adamw(model))

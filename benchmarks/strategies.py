@@ -103,8 +103,6 @@ RAW = {
         ),
     },
 }
-# the same TP layout against raw torch running unison's own plan: what the wrapping costs, plan aside
-FUSED_PLAN = " (raw with unison's plan)"
 RAW_TARGET = 1.02  # unison step time / raw torch step time, at most
 RAW_LOSS_TOLERANCE = 1e-4  # |unison loss - raw loss| at every step: both sides do the same arithmetic
 PARTS = ("layouts", "bubble", "raw")
@@ -246,10 +244,7 @@ def extra_ops(sides: dict) -> dict[str, float]:
 
 
 def raw_layouts_for(nproc: int, only: list[str] | None) -> dict:
-    layouts = dict(RAW[nproc])
-    tp = f"tp_size={nproc}"
-    layouts[tp + FUSED_PLAN] = lambda model: raw_layouts.tensor_parallel(model, nproc, fused_plan=True)
-    return {k: v for k, v in layouts.items() if only is None or k in only}
+    return {k: v for k, v in RAW[nproc].items() if only is None or k in only}
 
 
 def worker(out: Path, args: argparse.Namespace) -> None:
@@ -269,9 +264,8 @@ def worker(out: Path, args: argparse.Namespace) -> None:
             results["bubble"].append({"p": 2, "m": m, "step_s": timing["fb_s"]})
     if "raw" in args.parts:
         for name, build_raw in raw_layouts_for(state.num_processes, args.layout).items():
-            layout = name.removesuffix(FUSED_PLAN)
             gathered = [None] * state.num_processes
-            torch.distributed.all_gather_object(gathered, compare_with_raw(layout, build_raw, args))
+            torch.distributed.all_gather_object(gathered, compare_with_raw(name, build_raw, args))
             results["raw"][name] = gathered
     if state.is_main_process:
         out.write_text(json.dumps(results))
