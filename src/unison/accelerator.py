@@ -1,8 +1,8 @@
 """The `Accelerator`: the one object a training script holds.
 
-It owns no algorithm. It reads the shared process state, then delegates: data loaders to `data`,
-model wrapping to `parallel`, optimizer/scheduler gating to `optim`, autocast and loss scaling to
-`precision`, collectives to `ops`. Names and defaults follow Hugging Face Accelerate so that a
+It owns no algorithm. It reads the shared process state, then delegates: prepare() to `preparation`
+(data loaders to `data`, model wrapping to `parallel`, optimizer/scheduler gating to `optim`), the
+training step to `training_step`, autocast and loss scaling to `precision`, collectives to `ops`. Names and defaults follow Hugging Face Accelerate so that a
 script migrates by changing its import line.
 """
 
@@ -32,7 +32,7 @@ from .configs import (
     resolve_accumulation,
     resolve_dataloader_config,
 )
-from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader, skip_first_batches
+from .data import skip_first_batches
 from .device_memory import release_memory
 from .item_count import ItemCount
 from .kwargs_handlers import (
@@ -45,35 +45,22 @@ from .kwargs_handlers import (
     sort_kwargs_handlers,
 )
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .parallel.apply import (
-    attach_loss_parallel,
-    data_parallel_engine,
-    parallelize,
-    refuse_stale_optimizers,
-    replaced_parameters,
-    switch_optimizer_parameters,
-)
-from .parallel.auto import plan_for_this_job
 from .parallel.checkpointing import normalize_mode, resolve_mode
 from .parallel.compiling import TorchDynamoPlugin, resolve_dynamo_plugin
 from .parallel.config import ParallelismConfig, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
-from .parallel.materialize import deferred_model
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
-from .parallel.pipeline import PipelineModel
 from .parallel.ranks import LayoutProperties
 from .planner import Plan
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, resolve_plugins
 from .precision import PrecisionPolicy, check_convert_outputs
+from .preparation import PreparationMethods
 from .profiling import profile
 from .state import AcceleratorState, DistributedType, GradientState
 from .tracking.base import GeneralTracker, LoggerType, resolve_log_with
 from .tracking.methods import TrackingMethods
 from .training_step import TrainingStepMethods
-
-_SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
-_PREPARED_TYPES = (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard, DataLoaderDispatcher)
 
 
 def _validate_accumulation_steps(value: Any) -> int:
@@ -86,7 +73,12 @@ def _validate_accumulation_steps(value: Any) -> int:
 
 
 class Accelerator(
-    TrainingStepMethods, CheckpointMethods, CollectiveMethods, TrackingMethods, LayoutProperties
+    PreparationMethods,
+    TrainingStepMethods,
+    CheckpointMethods,
+    CollectiveMethods,
+    TrackingMethods,
+    LayoutProperties,
 ):
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
@@ -218,21 +210,6 @@ class Accelerator(
         config = resolve_mode(config, self._activation_checkpointing, exported).validate(config.total_size)
         self.parallelism = config
         self.device_mesh = build_device_mesh(config, self.device.type)
-
-    def _plan_layout(self, model: torch.nn.Module) -> None:
-        """parallelism="auto": the planner's layout for `model` on this job's hardware."""
-        self.plan = plan_for_this_job(
-            model, self.num_processes, self.state.num_local_processes, self.device, self.mixed_precision
-        )
-        self._set_layout(self.plan.config.validate(self.num_processes))
-
-    def _layout_needed(self, action: str) -> ParallelismConfig:
-        if self.parallelism is None:
-            raise ValueError(
-                f"{action} needs the parallel layout, which parallelism='auto' chooses from the model: "
-                "prepare the model first, or in the same call: accelerator.prepare(model, optimizer, loader)."
-            )
-        return self.parallelism
 
     # -- data loader settings (the dataloader_config's) ---------------------------------------------
     @property
@@ -366,206 +343,6 @@ class Accelerator(
         self.state.print(*args, **kwargs)
 
     # -- prepare -------------------------------------------------------------------------------
-    def prepare(self, *objects: Any, device_placement: list[bool] | None = None) -> Any:
-        """Prepare each object for this run and return them in the same order (one object: itself).
-
-        Models are prepared before optimizers, and optimizers before schedulers, whatever the order
-        given, because each needs the one before it.
-        """
-        if device_placement is None:
-            device_placement = [self.device_placement] * len(objects)
-        elif len(device_placement) != len(objects):
-            raise ValueError(
-                f"device_placement has {len(device_placement)} entries for {len(objects)} objects: give one "
-                "True/False per object passed to prepare(), or leave it out."
-            )
-        for obj in objects:
-            self._check_preparable(obj)
-        result: list[Any] = list(objects)
-        for kind in (torch.nn.Module, torch.optim.Optimizer, _SCHEDULER_TYPES, DataLoader):
-            for i, obj in enumerate(objects):
-                if isinstance(obj, kind):
-                    result[i] = self._prepare_one(obj, device_placement[i])
-        return result[0] if len(result) == 1 else tuple(result)
-
-    def _check_preparable(self, obj: Any) -> None:
-        if obj in self._prepared or isinstance(obj, _PREPARED_TYPES):
-            raise ValueError(
-                f"this {type(obj).__name__} was already prepared: prepare() each model, optimizer, scheduler "
-                "and data loader once, and use the object prepare() returned."
-            )
-        if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, *_SCHEDULER_TYPES, DataLoader)):
-            raise TypeError(
-                f"prepare() cannot prepare a {type(obj).__module__}.{type(obj).__qualname__}: it takes "
-                "torch.nn.Module, torch.optim.Optimizer, torch LR schedulers and torch DataLoader objects. "
-                "Leave other objects out of prepare()."
-            )
-
-    def _prepare_one(self, obj: Any, device_placement: bool) -> Any:
-        if isinstance(obj, torch.nn.Module):
-            prepared = self.prepare_model(obj, device_placement=device_placement)
-        elif isinstance(obj, torch.optim.Optimizer):
-            prepared = self.prepare_optimizer(obj, device_placement=device_placement)
-        elif isinstance(obj, DataLoader):
-            prepared = self.prepare_data_loader(obj, device_placement=device_placement)
-        else:
-            prepared = self.prepare_scheduler(obj)
-        return prepared
-
-    def _remember(self, original: Any, prepared: Any) -> None:
-        self._prepared.update((original, prepared))
-
-    def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
-        """Move `model` to the device and wrap it for the run's layout (DDP, ZeRO-1/2/3, HSDP, ...)."""
-        self._check_preparable(model)
-        if self.parallelism is None:
-            self._plan_layout(model)
-        if self.parallelism.pp_size > 1 and self.precision.scaler is not None:
-            raise ValueError(
-                f"mixed_precision='fp16' with pipeline parallelism ({self.parallelism.describe()}): the fp16 "
-                "loss scaler needs every stage's gradients on one rank to decide a skip. Use "
-                "mixed_precision='bf16' (no scaler) or a layout without pp_size."
-            )
-        self._check_ddp_kwargs_apply()
-        if device_placement is None:
-            device_placement = self.device_placement
-        # built on the meta device (init_empty_weights): sharded first, then each rank's shards only
-        deferred = deferred_model(model, self.parallelism, self.device_mesh, self.device)
-        if device_placement and deferred is None:
-            model = model.to(self.device)
-        before = dict(unwrap(model).named_parameters(remove_duplicate=False))  # names as the user's module's
-        if deferred is not None:
-            model = deferred.before_parallelize(model)
-        prepared = parallelize(
-            model,
-            self.parallelism,
-            self.device_mesh,
-            self.device,
-            self.ddp_kwargs,
-            self.precision.dtype,
-            self.dynamo_plugin,
-        )
-        if deferred is not None:
-            deferred.after_parallelize(prepared)
-        replaced = replaced_parameters(before, unwrap(prepared))
-        self._check_no_optimizer_holds(replaced)
-        self._replaced_parameters.update(replaced)
-        stale = [p for p in before.values() if id(p) in replaced]
-        refuse_stale_optimizers(stale, self.parallelism.describe())
-        # hooks go where forward runs: the stage modules of a pipeline, else the user's module (inside
-        # DDP's wrapper, so that unwrap_model gives it with autocast, as Accelerate's keep_fp32_wrapper)
-        user_module = unwrap(prepared)
-        for part in prepared.stage_modules if isinstance(prepared, PipelineModel) else [user_module]:
-            # a stage before the last sends its outputs to the next stage: in the dtype it computed them
-            last = not isinstance(prepared, PipelineModel) or part.stage_index == part.num_stages - 1
-            hooks = self.precision.attach_to(part, convert_outputs=last)
-            self._autocast_hooks.setdefault(id(user_module), []).extend(hooks)
-            if self.parallelism.loss_parallel:
-                attach_loss_parallel(part)
-        self._remember(model, prepared)
-        self._models.append(prepared)
-        return prepared
-
-    def _check_ddp_kwargs_apply(self) -> None:
-        """DistributedDataParallelKwargs configure DDP; a layout whose replicas run on FSDP2 (ZeRO-2/3,
-        HSDP, and any data parallelism beside tensor or pipeline parallelism), or with no replicas at
-        all across several processes (pure tensor or pipeline parallelism), has no DDP to give them to.
-        One process has no wrapper at all, so the same script still runs there unchanged."""
-        engine = data_parallel_engine(self.parallelism)
-        if not self.ddp_kwargs or engine == "ddp" or (engine == "none" and self.num_processes == 1):
-            return
-        options = ", ".join(f"{name}={value!r}" for name, value in self.ddp_kwargs.items())
-        runs_on = {
-            "fsdp": "trains its data-parallel replicas with FSDP2",
-            "dataparallel": "trains its replicas with torch.nn.DataParallel",
-            "none": "has no data-parallel replicas (one copy of the model, split over the processes)",
-        }[engine]
-        raise ValueError(
-            f"DistributedDataParallelKwargs({options}) configure DDP, but the layout "
-            f"{self.parallelism.describe()} {runs_on}, so nothing would apply them. Drop the DDP "
-            "options for this layout, or use parallelism='ddp' or 'zero1' (DDP underneath)."
-        )
-
-    def _check_no_optimizer_holds(self, replaced: dict[int, torch.nn.Parameter | None]) -> None:
-        """An optimizer prepared before its model would keep updating the parameters sharding replaced."""
-        for optimizer in self._optimizers:
-            if any(id(p) in replaced for group in optimizer.param_groups for p in group["params"]):
-                raise ValueError(
-                    f"the {type(optimizer.optimizer).__name__} was prepared before its model, but the layout "
-                    f"{self.parallelism.describe()} replaces the model's parameters by shards: prepare the "
-                    "model first, or both in one call: accelerator.prepare(model, optimizer)."
-                )
-
-    def prepare_optimizer(
-        self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
-    ) -> AcceleratedOptimizer:
-        """Wrap `optimizer` so that step/zero_grad wait for the end of each accumulation window."""
-        self._check_preparable(optimizer)
-        if device_placement is None:
-            device_placement = self.device_placement
-        if device_placement and optimizer.state:
-            # load_state_dict casts the state onto each parameter's device (now the run's device).
-            optimizer.load_state_dict(optimizer.state_dict())
-        switch_optimizer_parameters(optimizer, self._replaced_parameters)
-        layout = self._layout_needed("prepare_optimizer()")
-        if layout.zero_stage == 1 and data_parallel_engine(layout) == "ddp":
-            from .parallel.zero import shard_optimizer_state  # FSDP2's import cost only where used
-
-            optimizer = shard_optimizer_state(optimizer, self.device_mesh["dp_shard"])
-        if (layout.tp_size or 1) > 1:  # state of permuted fused projections saved in the model's own layout
-            from .parallel.fused import keep_user_layout_in_optimizer
-
-            keep_user_layout_in_optimizer(optimizer)
-        prepared = AcceleratedOptimizer(optimizer, scaler=self.precision.scaler)
-        self._remember(optimizer, prepared)
-        self._optimizers.append(prepared)
-        return prepared
-
-    def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap `scheduler` so it steps once per real optimizer step, whatever the process count."""
-        self._check_preparable(scheduler)
-        owners = [opt for opt in self._optimizers if opt.optimizer is getattr(scheduler, "optimizer", None)]
-        prepared = AcceleratedScheduler(
-            scheduler, owners or self._optimizers, self.step_scheduler_with_optimizer
-        )
-        self._remember(scheduler, prepared)
-        self._schedulers.append(prepared)
-        return prepared
-
-    def prepare_data_loader(
-        self, data_loader: DataLoader, device_placement: bool | None = None
-    ) -> DataLoader:
-        """Re-create `data_loader` so each process reads its own shard, delivered on the device."""
-        self._check_preparable(data_loader)
-        if device_placement is None:
-            device_placement = self.device_placement
-        layout = self._layout_needed("prepare_data_loader()")
-        dp_mesh = data_parallel_mesh(self.device_mesh)
-        if self.dispatch_batches and dp_mesh is not None and dp_mesh.size() != self.num_processes:
-            raise NotImplementedError(
-                f"dispatch_batches=True with the layout {layout.describe()}: process 0 would "
-                "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
-                "dispatch_batches unset so that each data-parallel rank reads its own shard."
-            )
-        # Ranks of one tensor-parallel group (or pipeline) read the same batch: shard by data-parallel rank.
-        prepared = prepare_data_loader(
-            data_loader,
-            device=self.device,
-            num_processes=layout.dp_size,
-            process_index=self.data_parallel_index,
-            split_batches=self.split_batches,
-            put_on_device=device_placement,
-            rng_types=self.rng_types,
-            dispatch_batches=self.dispatch_batches,
-            even_batches=self.even_batches,
-            non_blocking=self.non_blocking,
-            data_seed=self.dataloader_config.data_seed,
-            use_seedable_sampler=self.use_seedable_sampler,
-        )
-        self._remember(data_loader, prepared)
-        self._dataloaders.append(prepared)
-        return prepared
-
     def skip_first_batches(self, dataloader: DataLoader, num_batches: int = 0) -> DataLoader:
         return skip_first_batches(dataloader, num_batches)
 
