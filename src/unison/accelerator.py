@@ -2,8 +2,8 @@
 
 It owns no algorithm. It reads the shared process state, then delegates: prepare() to `preparation`
 (data loaders to `data`, model wrapping to `parallel`, optimizer/scheduler gating to `optim`), the
-training step to `training_step`, autocast and loss scaling to `precision`, collectives to `ops`. Names and defaults follow Hugging Face Accelerate so that a
-script migrates by changing its import line.
+training step to `training_step`, autocast and loss scaling to `precision`, collectives to `ops`.
+Names and defaults follow Hugging Face Accelerate so that a script migrates by changing its import line.
 """
 
 from __future__ import annotations
