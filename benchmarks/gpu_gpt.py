@@ -8,7 +8,7 @@ The GPT example's model at GPT-2 small's size (12 layers, 12 heads, 768 wide, 1,
 
 - **raw**: as nanoGPT's `train_gpt2.py` on one GPU: the model on the device, `torch.compile(model)`,
   `torch.autocast(bfloat16)` around the forward, `loss / grad_accum`, fused AdamW, clipping at 1.0;
-- **unison**: `Accelerator(mixed_precision="bf16")`, the same compiled model through `prepare`,
+- **unison**: `Accelerator(mixed_precision="bf16", dynamo_plugin=...)`, the model compiled whole by `prepare`,
   `accumulate`, `forward_backward` (the model's own loss), `clip_grad_norm_`.
 
 Both start from the same weights and train on the same batches (random tokens already on the device:
@@ -38,6 +38,7 @@ from machine import describe_machine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 from unison import Accelerator  # noqa: E402
+from unison.utils import TorchDynamoPlugin  # noqa: E402
 
 TARGET = 0.99  # unison tokens/s / raw tokens/s, at least
 # dense bf16 peak FLOP/s by device name (no sparsity), for MFU
@@ -136,10 +137,13 @@ def main() -> None:
         return loss_accum
 
     # ---- unison: the same loop through the Accelerator
-    accelerator = Accelerator(mixed_precision="bf16" if bf16 else "no", gradient_accumulation_steps=accum)
+    # compiled whole by prepare(), as the raw loop compiles it (per-block compilation is the default)
+    dynamo = TorchDynamoPlugin(backend="inductor", use_regional_compilation=False) if compile_model else None
+    accelerator = Accelerator(
+        mixed_precision="bf16" if bf16 else "no", gradient_accumulation_steps=accum, dynamo_plugin=dynamo
+    )
     uni_model = new_model(config, device)
     uni_opt = adamw(uni_model, device)
-    uni_model = torch.compile(uni_model) if compile_model else uni_model  # compiled before prepare()
     uni_model, uni_opt = accelerator.prepare(uni_model, uni_opt)
 
     def model_loss(output, _target):
