@@ -394,3 +394,27 @@ def test_ddp_static_graph_accumulates_like_one_process(tmp_path):
     out = tmp_path / "difference.txt"
     launch_ok(WORKERS / "static_graph_worker.py", 2, out)
     assert float(out.read_text()) < 1e-6
+
+
+def test_sync_each_batch_false_under_pipelines_with_replicas_is_said_not_silently_ignored(caplog):
+    """torch's pipeline schedule reduce-scatters every stage's gradients at each schedule step; asking for
+    one reduction per window under pp x dp is answered at prepare() (the layout alone decides it)."""
+    from types import SimpleNamespace
+
+    from unison.parallel.config import ParallelismConfig
+    from unison.preparation import PreparationMethods
+
+    def said(layout: str, world: int, sync_each_batch) -> bool:
+        caplog.clear()
+        accelerator = SimpleNamespace(
+            parallelism=ParallelismConfig.from_string(layout).validate(world),
+            gradient_accumulation_plugin=GradientAccumulationPlugin(sync_each_batch=sync_each_batch),
+        )
+        with caplog.at_level("WARNING", logger="unison"):
+            PreparationMethods._say_pipelines_reduce_every_step(accelerator)
+        return "torch's pipeline schedule reduces each stage's gradients" in caplog.text
+
+    assert said("pp_size=2,dp_shard_size=2", 4, False)
+    assert not said("pp_size=2,dp_shard_size=2", 4, None)  # the default reduces every micro-step anyway
+    assert not said("pp_size=2", 2, False)  # no replicas: nothing to reduce
+    assert not said("zero3", 2, False)  # FSDP2 alone honours it

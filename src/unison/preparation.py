@@ -11,6 +11,7 @@ Accelerator.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -32,6 +33,8 @@ from .parallel.ddp import unwrap
 from .parallel.materialize import deferred_model
 from .parallel.mesh import data_parallel_mesh
 from .parallel.pipeline import PipelineModel
+
+logger = logging.getLogger("unison")
 
 _SCHEDULER_TYPES = (torch.optim.lr_scheduler.LRScheduler, torch.optim.lr_scheduler.ReduceLROnPlateau)
 _PREPARED_TYPES = (AcceleratedOptimizer, AcceleratedScheduler, DataLoaderShard, DataLoaderDispatcher)
@@ -117,6 +120,7 @@ class PreparationMethods:
                 "mixed_precision='bf16' (no scaler) or a layout without pp_size."
             )
         self._check_ddp_kwargs_apply()
+        self._say_pipelines_reduce_every_step()
         if device_placement is None:
             device_placement = self.device_placement
         # built on the meta device (init_empty_weights): sharded first, then each rank's shards only
@@ -155,6 +159,24 @@ class PreparationMethods:
         self._remember(model, prepared)
         self._models.append(prepared)
         return prepared
+
+    def _say_pipelines_reduce_every_step(self) -> None:
+        """sync_each_batch=False asks for one gradient reduction per accumulation window; under pipeline
+        parallelism with data-parallel replicas, torch's schedule reduce-scatters each stage's gradients
+        at the end of every schedule step (PipelineStage.perform_reduce_grad), so it cannot be honoured:
+        said at prepare(), rather than silently ignored (the numbers are the same either way)."""
+        layout = self.parallelism
+        if (
+            layout.pp_size > 1
+            and layout.dp_size > 1
+            and self.gradient_accumulation_plugin.sync_each_batch is False
+        ):
+            logger.warning(
+                "sync_each_batch=False under %s: torch's pipeline schedule reduces each stage's gradients "
+                "at every micro-step window anyway; only the gradients of weights tied across stages wait "
+                "for the window's end.",
+                layout.describe(),
+            )
 
     def _check_ddp_kwargs_apply(self) -> None:
         """DistributedDataParallelKwargs configure DDP; a layout whose replicas run on FSDP2 (ZeRO-2/3,
