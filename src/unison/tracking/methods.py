@@ -1,16 +1,22 @@
 """The Accelerator's tracking methods (a mixin, as collectives.py is): init_trackers, log, get_tracker,
-and closing the trackers at end_training. They read `log_with`, `trackers`, `project_configuration`
-and `is_main_process` from the Accelerator."""
+closing the trackers at end_training, and the progress display that shows the values last logged.
+They read `log_with`, `trackers`, `project_configuration` and `is_main_process` from the Accelerator."""
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from typing import Any
 
+from ..progress import progress
 from .base import GeneralTracker, build_trackers
 
 
 class TrackingMethods:
-    """init_trackers / log / get_tracker / finish_trackers."""
+    """init_trackers / log / get_tracker / finish_trackers / progress."""
+
+    _last_logged: dict[
+        str, Any
+    ] = {}  # the values of the last log() call, for progress(); per instance once set
 
     def init_trackers(
         self,
@@ -41,8 +47,28 @@ class TrackingMethods:
         Not collective: the values are this process's (reduce them first for a global metric).
         log_kwargs: tracker name -> options for that tracker's log().
         """
+        self._last_logged = dict(values)
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
+
+    def progress(
+        self,
+        iterable: Iterable | None = None,
+        total: int | None = None,
+        desc: str | None = None,
+        interval: float | None = None,
+    ) -> Iterable:
+        """`iterable` (or range(total)) with a progress display on the main process: a tqdm bar on a
+        terminal (the `progress` extra), else a line every `interval` seconds (default 30); step/total,
+        rate, time left, and the values last passed to `log()`. Other processes iterate it plainly.
+
+            for batch in accelerator.progress(loader, desc="train"):
+                ...
+                accelerator.log({"loss": loss.item()}, step=step)
+        """
+        return progress(
+            iterable, total, desc, self.is_main_process, lambda: self._last_logged, interval=interval
+        )
 
     def get_tracker(self, name: str, unwrap: bool = False) -> Any:
         """The started tracker called `name` (unwrap=True: its underlying run or writer). On a process
