@@ -38,13 +38,13 @@ from machine import describe_machine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 from unison import Accelerator  # noqa: E402
+from unison.throughput import peak_flops, transformer_flops_per_token  # noqa: E402
 from unison.utils import TorchDynamoPlugin  # noqa: E402
 
 TARGET = 0.99  # unison tokens/s / raw tokens/s, at least
+
+
 # dense bf16 peak FLOP/s by device name (no sparsity), for MFU
-PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "L40S": 362e12, "A10": 125e12}
-
-
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -81,16 +81,9 @@ def adamw(model: torch.nn.Module, device: torch.device) -> torch.optim.Optimizer
 
 
 def flops_per_token(model: GPT) -> float:
-    """nanoGPT's estimate: 6 N for the matmuls with weights, 12 L T d for attention."""
+    """nanoGPT's estimate (unison.throughput): 6 N for the matmuls with weights, 12 L T d for attention."""
     c = model.config
-    return 6 * model.num_parameters() + 12 * c.n_layer * c.block_size * c.n_embd
-
-
-def peak_flops(device: torch.device) -> float | None:
-    if device.type != "cuda":
-        return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for key, peak in PEAK_BF16.items() if key in name), None)
+    return transformer_flops_per_token(model.num_parameters(), c.n_layer, c.n_embd, c.block_size)
 
 
 def _percent(share: float | None) -> str:
