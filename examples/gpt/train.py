@@ -33,6 +33,7 @@ from model import GPT, GPTConfig
 from torch.utils.data import DataLoader, Subset
 
 from unison import Accelerator, ProjectConfiguration, set_seed
+from unison.throughput import peak_flops, transformer_flops_per_token
 
 
 def parse_args() -> argparse.Namespace:
@@ -185,6 +186,10 @@ def main() -> None:
 
     accum = accelerator.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
+    # model FLOPs utilisation where the device's peak is known (a data-centre GPU; not a CPU): nanoGPT's
+    # 6N + 12·L·d·T FLOPs per token against every process's device together
+    flops_per_token = transformer_flops_per_token(n_params, args.n_layer, args.n_embd, args.block_size)
+    peak, world = peak_flops(accelerator.device), accelerator.num_processes
     accelerator.print(
         f"{accelerator.num_processes} process(es) on {accelerator.device} | layout "
         f"{accelerator.parallelism.describe()} | mixed precision {accelerator.mixed_precision} | "
@@ -224,9 +229,11 @@ def main() -> None:
                 seconds = time.perf_counter() - last_log
                 lr = scheduler.get_last_lr()[0]
                 ms_per_step = 1000 * seconds / (step - last_log_step)
+                rate = tokens / seconds
+                mfu = "" if peak is None else f" | MFU {rate * flops_per_token / (peak * world):.1%}"
                 accelerator.print(
                     f"step {step:5d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                    f"{tokens / seconds:7,.0f} tok/s | {ms_per_step:4.0f} ms/step"
+                    f"{rate:7,.0f} tok/s | {ms_per_step:4.0f} ms/step{mfu}"
                 )
                 loss_sum.zero_()
                 micro_steps = tokens = 0
