@@ -29,8 +29,6 @@ model (its shard) plus one tensor in flight. A table is printed and JSON written
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import subprocess
@@ -40,6 +38,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "workers"))
+from peak_memory import Peak, on_every_process  # noqa: E402  (shared with the test worker)
 
 BLOCKS = 8
 RESULTS = Path(__file__).resolve().parent / "results" / "big_models.json"
@@ -73,33 +74,6 @@ def tp_plan() -> dict:
     return {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
 
 
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-class Peak:
-    """The most this process held resident above what it held at the start of the block."""
-
-    def __enter__(self) -> Peak:
-        gc.collect()
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        Path("/proc/self/clear_refs").write_text("5")
-        self.start = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bytes = _status("VmHWM") - self.start
-
-
-def _everyone(value: float) -> list[float]:
-    values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(values, torch.tensor([float(value)], dtype=torch.float64))
-    return [v.item() for v in values]
-
-
 def worker(args: argparse.Namespace) -> None:
     from unison import Accelerator, ParallelismConfig, PartialState, init_empty_weights
 
@@ -131,7 +105,7 @@ def worker(args: argparse.Namespace) -> None:
             with Peak() as peak:
                 model = Accelerator(cpu=True, parallelism=layout(name)).prepare(build(rank in real_on))
                 del model
-            row[how] = [b / size for b in _everyone(peak.bytes)]
+            row[how] = [b / size for b in on_every_process(peak.bytes)]
         report["layouts"][name] = row
     with tempfile.TemporaryDirectory() as tmp:
         shared = [str(Path(tmp) / "ckpt")]
@@ -149,7 +123,7 @@ def worker(args: argparse.Namespace) -> None:
         zero3.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))  # its momentum resumes
         with Peak() as peak:
             zero3.load_state(shared[0])
-        report["resume DDP checkpoint into zero3"] = [b / size for b in _everyone(peak.bytes)]
+        report["resume DDP checkpoint into zero3"] = [b / size for b in on_every_process(peak.bytes)]
         dist.barrier()
     if rank == 0:
         args.worker.write_text(json.dumps(report))

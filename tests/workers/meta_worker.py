@@ -21,8 +21,6 @@ Process 0 writes a JSON report to the path given as the first argument.
 
 from __future__ import annotations
 
-import ctypes
-import gc
 import json
 import sys
 import tempfile
@@ -32,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from peak_memory import Peak, on_every_process
 from tiny_gpt import make_tiny_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -72,36 +71,6 @@ class Stack(torch.nn.Module):
 MEMORY_BYTES = MEMORY_LAYERS * 2 * (WIDTH * WIDTH + WIDTH) * 4
 
 
-_LIBC = ctypes.CDLL("libc.so.6")
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
-
-
-class Peak:
-    """The most this process held resident above what it held at the start of the block."""
-
-    def __enter__(self) -> Peak:
-        gc.collect()
-        _LIBC.malloc_trim(0)  # freed memory back to the system, or the block would reuse it unseen
-        Path("/proc/self/clear_refs").write_text("5")
-        self.start = _status("VmRSS")
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.bytes = _status("VmHWM") - self.start
-
-
-def _everyone(value: float) -> list[float]:
-    values = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
-    dist.all_gather(values, torch.tensor([float(value)], dtype=torch.float64))
-    return [v.item() for v in values]
-
-
 def memory_report() -> dict:
     rank = dist.get_rank()
     report: dict = {"model_bytes": MEMORY_BYTES}
@@ -119,7 +88,7 @@ def memory_report() -> dict:
     for name, real_on in (("built_normally", (0, 1)), ("meta_init", ()), ("meta_broadcast", (0,))):
         with Peak() as peak:
             prepared(rank in real_on)
-        report[name] = _everyone(peak.bytes)
+        report[name] = on_every_process(peak.bytes)
     # resume: a DDP run's replicated checkpoint (model and momentum files) into ZeRO-3
     with tempfile.TemporaryDirectory() as tmp:
         directory = Path(tmp) / "ckpt"
@@ -141,7 +110,7 @@ def memory_report() -> dict:
         optimizer = zero3.prepare(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))
         with Peak() as peak:
             zero3.load_state(shared[0])
-        report["resume_ddp_into_zero3"] = _everyone(peak.bytes)
+        report["resume_ddp_into_zero3"] = on_every_process(peak.bytes)
         dist.barrier()
         if rank == 0:
             reference = torch.load(Path(shared[0]) / "model_0.pt", weights_only=True)
