@@ -30,48 +30,55 @@ def describe_mesh(mesh) -> dict:
     }
 
 
-out_dir = Path(sys.argv[1])
-from_env = Accelerator()  # layout from UNISON_PARALLELISM (the --parallelism flag)
-record: dict = {
-    "env_layout": from_env.parallelism.describe(),
-    "env_mesh": describe_mesh(from_env.device_mesh),
-    "ranks": [  # Accelerate's property names
-        from_env.data_parallel_rank,
-        from_env.data_parallel_shard_rank,
-        from_env.tensor_parallel_rank,
-        from_env.pipeline_parallel_rank,
-        from_env.context_parallel_rank,
-    ],
-    "is_fsdp2": from_env.is_fsdp2,
-    "same_mesh": from_env.torch_device_mesh is from_env.device_mesh,
-}
+def main() -> None:
+    """Inside a function, so every prepared model is freed before the interpreter's teardown: one left
+    in a global can abort the process after its work is done (docs/failures.md)."""
+    out_dir = Path(sys.argv[1])
+    from_env = Accelerator()  # layout from UNISON_PARALLELISM (the --parallelism flag)
+    record: dict = {
+        "env_layout": from_env.parallelism.describe(),
+        "env_mesh": describe_mesh(from_env.device_mesh),
+        "ranks": [  # Accelerate's property names
+            from_env.data_parallel_rank,
+            from_env.data_parallel_shard_rank,
+            from_env.tensor_parallel_rank,
+            from_env.pipeline_parallel_rank,
+            from_env.context_parallel_rank,
+        ],
+        "is_fsdp2": from_env.is_fsdp2,
+        "same_mesh": from_env.torch_device_mesh is from_env.device_mesh,
+    }
 
-zero3 = Accelerator(parallelism="zero3")
-record["zero3_mesh"] = describe_mesh(zero3.device_mesh)
-record["zero3_config"] = [zero3.parallelism.dp_shard_size, zero3.parallelism.zero_stage]
-record["zero3_wrapper"] = type(zero3.prepare(torch.nn.Linear(2, 2))).__name__
+    zero3 = Accelerator(parallelism="zero3")
+    record["zero3_mesh"] = describe_mesh(zero3.device_mesh)
+    record["zero3_config"] = [zero3.parallelism.dp_shard_size, zero3.parallelism.zero_stage]
+    record["zero3_wrapper"] = type(zero3.prepare(torch.nn.Linear(2, 2))).__name__
 
-hsdp = Accelerator(parallelism=ParallelismConfig(dp_shard_size=2, zero_stage=2))
-record["hsdp_mesh"] = describe_mesh(hsdp.device_mesh)
+    hsdp = Accelerator(parallelism=ParallelismConfig(dp_shard_size=2, zero_stage=2))
+    record["hsdp_mesh"] = describe_mesh(hsdp.device_mesh)
 
-ddp = Accelerator(parallelism="ddp")
-model = ddp.prepare(torch.nn.Linear(2, 2))
-record["ddp_wrapper"] = type(model).__name__
-record["ddp_mesh"] = describe_mesh(ddp.device_mesh)
+    ddp = Accelerator(parallelism="ddp")
+    model = ddp.prepare(torch.nn.Linear(2, 2))
+    record["ddp_wrapper"] = type(model).__name__
+    record["ddp_mesh"] = describe_mesh(ddp.device_mesh)
 
-try:
-    Accelerator(parallelism=ParallelismConfig(dp_shard_size=2, tp_size=3))
-except ValueError as error:
-    record["mismatch_error"] = str(error)
+    try:
+        Accelerator(parallelism=ParallelismConfig(dp_shard_size=2, tp_size=3))
+    except ValueError as error:
+        record["mismatch_error"] = str(error)
 
-# parallelism="auto" with a model no layout fits (a trillion parameters, built on meta): process 0
-# plans and every process raises its refusal, before any memory is touched.
-with torch.device("meta"):
-    huge = torch.nn.Sequential(*(torch.nn.Linear(2**15, 2**15) for _ in range(1000)))
-try:
-    Accelerator(parallelism="auto").prepare(huge)
-except ValueError as error:
-    record["auto_refusal"] = f"{type(error).__name__}: {error}"
+    # parallelism="auto" with a model no layout fits (a trillion parameters, built on meta): process 0
+    # plans and every process raises its refusal, before any memory is touched.
+    with torch.device("meta"):
+        huge = torch.nn.Sequential(*(torch.nn.Linear(2**15, 2**15) for _ in range(1000)))
+    try:
+        Accelerator(parallelism="auto").prepare(huge)
+    except ValueError as error:
+        record["auto_refusal"] = f"{type(error).__name__}: {error}"
 
-(out_dir / f"rank{zero3.process_index}.json").write_text(json.dumps(record))
-ddp.end_training()
+    (out_dir / f"rank{zero3.process_index}.json").write_text(json.dumps(record))
+    ddp.end_training()
+
+
+if __name__ == "__main__":
+    main()
