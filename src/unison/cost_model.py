@@ -1,0 +1,324 @@
+"""How long one training step of a parallel layout takes: compute, communication and the pipeline bubble.
+
+Memory decides which layouts fit (unison.layout_memory); this model decides which of those is fastest.
+It is arithmetic on the model's shape, the layout, the batch and a device description (`DeviceSpec`),
+as in Narayanan et al. 2021 (Megatron-LM, sections 3 and 5) and the PaLM appendix, and its figures are
+predictions to rank layouts and to say roughly how fast a run will go, not measurements
+(docs/planner.md compares them with published runs).
+
+- compute: the step's FLOPs, 6·N per token plus attention's 12·L·h·s (PaLM), x 4/3 with full
+  activation recomputation (the forward runs twice), spread evenly over the devices and run at
+  `efficiency` x the device's dense bf16 peak. `efficiency` is the one assumption that matters most:
+  the share of peak that a layout's matrix multiplications reach once nothing waits (0.5 by default:
+  large runs report 38-52% of peak with communication and the bubble included).
+- communication: each collective the layout issues in one step, its bytes and the link it crosses,
+  timed as NCCL's ring (bandwidth 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for a
+  reduce-scatter or all-gather, plus one latency per hop) or tree (2·log2(n) latencies) algorithm,
+  whichever is faster. What overlaps with compute is subtracted: DDP's bucketed gradient all-reduce
+  overlaps the last micro-step's backward, FSDP2's gathers and reduce-scatters overlap the forward and
+  backward they prefetch for; tensor parallelism's all-reduces and pipeline sends sit on the critical
+  path and do not.
+- the pipeline bubble: (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over
+  v stages per device, with m the micro-batches each pipeline runs per step.
+
+Groups are laid out as unison's DeviceMesh lays them (unison.parallel.mesh.MESH_DIM_ORDER: tp innermost,
+then cp, dp_shard, dp_replicate, pp outermost), so a group crosses the inter-node link exactly when its
+ranks span more than one node.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from unison.memory import ModelShape
+from unison.parallel.config import ParallelismConfig
+
+DEFAULT_EFFICIENCY = 0.5
+"""Share of the dense bf16 peak the step's matrix multiplications reach (module docstring)."""
+LINK_EFFICIENCY = 0.75
+"""Share of a link's data-sheet bandwidth that NCCL's collectives reach (nccl-tests' bus bandwidth:
+about 230 of 300 GB/s on A100 NVLink, 370 of 450 on H100, 23 of 25 GB/s on HDR InfiniBand)."""
+GRADIENT_BYTES = 4
+"""Gradients are reduced in fp32 (unison's FSDP2 policy, Megatron's main_grad), whatever the compute dtype."""
+ACTIVATION_BYTES = 2
+"""Activations and gathered weights travel in bf16."""
+PCIE_BANDWIDTH = 25e9
+"""Host <-> device copies of an offloaded shard (PCIe 4.0 x16, achieved)."""
+CPU_ADAM_PARAMETERS_PER_SECOND = 1e9
+"""An offloaded optimizer step on the host (AdamW over fp32 shards, a few cores)."""
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """One accelerator and its links, from the vendors' data sheets.
+
+    peak_flops: dense bf16 FLOP/s. memory: bytes. intra_node_bandwidth: bytes/s one way from a device to
+    the rest of its node (NVLink, Infinity Fabric, or PCIe). inter_node_bandwidth: bytes/s one way of a
+    device's share of its node's network (one NIC per device on the systems below). Latencies: seconds
+    per hop of a collective.
+    """
+
+    name: str
+    peak_flops: float
+    memory: int
+    intra_node_bandwidth: float
+    inter_node_bandwidth: float
+    intra_node_latency: float = 5e-6
+    inter_node_latency: float = 10e-6
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if field.name != "name" and not (isinstance(value, (int, float)) and value > 0):
+                raise ValueError(
+                    f"{field.name}={value!r} for device {self.name!r} is not a positive number: give it in "
+                    "FLOP/s, bytes, bytes/s or seconds (e.g. peak_flops=989e12)."
+                )
+
+
+GB = 10**9
+GIB = 2**30
+DEVICES = {
+    "a100-40gb": DeviceSpec("A100 SXM 40GB", 312e12, 40 * GIB, 300 * GB, 25 * GB),
+    "a100-80gb": DeviceSpec("A100 SXM 80GB", 312e12, 80 * GIB, 300 * GB, 25 * GB),
+    "h100": DeviceSpec("H100 SXM 80GB", 989e12, 80 * GIB, 450 * GB, 50 * GB),
+    "h200": DeviceSpec("H200 SXM 141GB", 989e12, 141 * GB, 450 * GB, 50 * GB),
+    "b200": DeviceSpec("B200 180GB", 2250e12, 180 * GB, 900 * GB, 50 * GB),
+    "mi300x": DeviceSpec("MI300X 192GB", 1307e12, 192 * GB, 448 * GB, 50 * GB),
+}
+"""Data-sheet figures. Networks: HDR InfiniBand (200 Gb/s per GPU) with A100 as in NVIDIA's Selene and
+DGX A100; NDR (400 Gb/s per GPU) with the others, as in DGX H100/H200/B200 and MI300X platforms."""
+
+
+@dataclass(frozen=True)
+class Batch:
+    """What one optimizer step processes: `global_batch` sequences of `seq_len` tokens, in micro-batches
+    of `micro_batch_size` sequences per data-parallel rank; `recompute`: full activation checkpointing."""
+
+    global_batch: int
+    seq_len: int
+    micro_batch_size: int = 1
+    recompute: bool = False
+
+    def micro_steps(self, dp: int) -> int:
+        """Micro-batches each data-parallel rank (each pipeline) runs per step."""
+        per_rank, left = divmod(self.global_batch, dp * self.micro_batch_size)
+        if left or per_rank < 1:
+            raise ValueError(
+                f"global batch {self.global_batch} does not split into micro-batches of "
+                f"{self.micro_batch_size} over {dp} data-parallel ranks: make it a multiple of "
+                f"{dp * self.micro_batch_size}."
+            )
+        return per_rank
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """The predicted step, in seconds; `communication` and `exposed` are per kind of collective."""
+
+    compute: float
+    bubble: float
+    communication: dict[str, float]
+    exposed: dict[str, float]
+    tokens: int
+    model_flops: float
+    hardware_flops: float
+    devices: int
+    peak_flops: float
+
+    @property
+    def step(self) -> float:
+        return self.compute + self.bubble + sum(self.exposed.values())
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.step
+
+    @property
+    def mfu(self) -> float:
+        """Model FLOPs (no recomputation) per second over the devices' peak, as PaLM defines MFU."""
+        return self.model_flops / (self.step * self.devices * self.peak_flops)
+
+    @property
+    def tflops_per_device(self) -> float:
+        """Hardware FLOP/s per device in TFLOP/s, recomputation included (Megatron-LM's figure)."""
+        return self.hardware_flops / (self.step * self.devices) / 1e12
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step_seconds": self.step,
+            "compute_seconds": self.compute,
+            "bubble_seconds": self.bubble,
+            "communication_seconds": dict(self.communication),
+            "exposed_communication_seconds": dict(self.exposed),
+            "tokens_per_second": self.tokens_per_second,
+            "mfu": self.mfu,
+            "tflops_per_device": self.tflops_per_device,
+        }
+
+
+@dataclass(frozen=True)
+class _Link:
+    bandwidth: float
+    latency: float
+
+
+def step_cost(
+    shape: ModelShape,
+    config: ParallelismConfig,
+    device: DeviceSpec,
+    devices_per_node: int,
+    batch: Batch,
+    efficiency: float = DEFAULT_EFFICIENCY,
+) -> StepCost:
+    """Predict one optimizer step of `shape` trained in layout `config` (validated, sizes filled) on
+    devices `device`, `devices_per_node` to a node (module docstring: what is counted and how)."""
+    if not 0 < efficiency <= 1:
+        raise ValueError(f"efficiency={efficiency!r}: the share of peak reached, between 0 and 1 (e.g. 0.4).")
+    if shape.layers is None or shape.hidden is None:
+        raise ValueError(
+            "the cost model prices transformers: the model's blocks and hidden size were not found."
+        )
+    tp, pp, cp = config.tp_size or 1, config.pp_size or 1, config.cp_size or 1
+    replicas, shards = config.dp_replicate_size or 1, config.dp_shard_size or 1
+    dp = replicas * shards
+    devices = tp * pp * cp * dp
+    micro_steps = batch.micro_steps(dp)
+    tokens = batch.global_batch * batch.seq_len
+    model_flops = (6.0 * shape.parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len) * tokens
+    hardware_flops = model_flops * (4 / 3 if batch.recompute else 1.0)
+    compute = hardware_flops / devices / (device.peak_flops * efficiency)
+    backward = compute * (
+        3 / 4 if batch.recompute else 2 / 3
+    )  # the share of each micro-step after its forward
+
+    bubble = 0.0
+    if pp > 1:
+        stages_per_device = 2 if config.pp_schedule == "interleaved" else 1
+        bubble = compute * (pp - 1) / (stages_per_device * micro_steps)
+
+    def link(stride: int, size: int) -> _Link:
+        """The link a group of `size` ranks `stride` apart crosses: inter-node once it spans nodes."""
+        if stride * size > devices_per_node:
+            return _Link(device.inter_node_bandwidth * LINK_EFFICIENCY, device.inter_node_latency)
+        return _Link(device.intra_node_bandwidth * LINK_EFFICIENCY, device.intra_node_latency)
+
+    communication: dict[str, float] = {}
+    exposed: dict[str, float] = {}
+    stage_parameters = shape.parameters / (tp * pp)  # what one device holds before data-parallel sharding
+    blocks = max(1, shape.layers // pp)
+    if dp > 1:
+        _data_parallel(
+            config,
+            stage_parameters,
+            blocks,
+            micro_steps,
+            compute,
+            backward,
+            pp,
+            link,
+            (tp * cp, shards, replicas),
+            communication,
+            exposed,
+        )
+    if tp > 1:
+        activation = batch.micro_batch_size * batch.seq_len // cp * shape.hidden * ACTIVATION_BYTES
+        per_layer = 6 if batch.recompute else 4  # 2 forward, 2 backward, 2 more in the recomputed forward
+        seconds = micro_steps * blocks * per_layer * _all_reduce(activation, tp, link(1, tp))
+        communication["tp all-reduce"] = exposed["tp all-reduce"] = seconds
+    if pp > 1:
+        activation = batch.micro_batch_size * batch.seq_len // cp * shape.hidden * ACTIVATION_BYTES
+        hop = link(tp * cp * dp, 2)  # next stage: one pipeline rank further, every other rank in between
+        # 1F1B sends each micro-batch's activations forward and its gradients back on the critical path:
+        # m + p - 1 slots each way; Megatron's scatter-gather splits a send over the tp ranks
+        seconds = 2 * (micro_steps + pp - 1) * (activation / tp / hop.bandwidth + hop.latency)
+        communication["pp send/recv"] = exposed["pp send/recv"] = seconds
+    if config.offload:
+        shard = shape.parameters / max(1, shards)
+        seconds = shard * (ACTIVATION_BYTES + GRADIENT_BYTES) / PCIE_BANDWIDTH
+        seconds += shard / CPU_ADAM_PARAMETERS_PER_SECOND
+        communication["offload copies and host step"] = exposed["offload copies and host step"] = seconds
+    return StepCost(
+        compute,
+        bubble,
+        communication,
+        exposed,
+        tokens,
+        model_flops,
+        hardware_flops,
+        devices,
+        device.peak_flops,
+    )
+
+
+def _data_parallel(
+    config: ParallelismConfig,
+    parameters: float,
+    blocks: int,
+    micro_steps: int,
+    compute: float,
+    backward: float,
+    pp: int,
+    link: Any,
+    strides: tuple[int, int, int],
+    communication: dict[str, float],
+    exposed: dict[str, float],
+) -> None:
+    """The gradient (and, sharded, parameter) traffic of the data-parallel dimensions, added to the dicts."""
+    inner, shards, replicas = strides
+    gradients = parameters * GRADIENT_BYTES
+    weights = parameters * ACTIVATION_BYTES
+    stage = config.zero_stage if shards > 1 else None
+    if stage in (None, 1):
+        # DDP and ZeRO-1: one all-reduce per step (ZeRO-1's reduce-scatter + all-gather move the same
+        # bytes), over every data-parallel rank; it overlaps the last micro-step's backward, except after
+        # a pipeline's flush, where nothing is left to overlap
+        dp = shards * replicas
+        seconds = _all_reduce(gradients, dp, link(inner, dp))
+        window = 0.0 if pp > 1 else backward / micro_steps
+        communication["dp all-reduce"] = seconds
+        exposed["dp all-reduce"] = max(0.0, seconds - window)
+        return
+    # FSDP2 (ZeRO-2/3, HSDP): per block and micro-step, gathers in forward (ZeRO-3: in backward too) and a
+    # reduce-scatter of its gradients; replicas all-reduce the reduced shard. Prefetch overlaps them with
+    # the compute of the neighbouring blocks, so only what exceeds the compute is exposed.
+    shard_link = link(inner, shards)
+    gathers = 2 if stage == 3 else 1
+    gather = micro_steps * blocks * gathers * _all_gather(weights / blocks, shards, shard_link)
+    scatter = micro_steps * blocks * _reduce_scatter(gradients / blocks, shards, shard_link)
+    communication["zero all-gather"] = gather
+    communication["zero reduce-scatter"] = scatter
+    total = gather + scatter
+    if replicas > 1:
+        across = (
+            micro_steps
+            * blocks
+            * _all_reduce(gradients / blocks / shards, replicas, link(inner * shards, replicas))
+        )
+        communication["hsdp all-reduce"] = across
+        total += across
+    hidden = min(total, compute)
+    for kind in [k for k in communication if k.startswith(("zero", "hsdp"))]:
+        exposed[kind] = communication[kind] * (1 - hidden / total) if total else 0.0
+
+
+def _all_reduce(size: float, ranks: int, link: _Link) -> float:
+    """NCCL's faster of ring and tree for an all-reduce of `size` bytes over `ranks`."""
+    if ranks < 2:
+        return 0.0
+    ring = 2 * (ranks - 1) / ranks * size / link.bandwidth + 2 * (ranks - 1) * link.latency
+    tree = 2 * size / link.bandwidth + 2 * math.log2(ranks) * link.latency
+    return min(ring, tree)
+
+
+def _all_gather(shard_total: float, ranks: int, link: _Link) -> float:
+    """A ring all-gather (or reduce-scatter) of a buffer of `shard_total` bytes in all over `ranks`."""
+    if ranks < 2:
+        return 0.0
+    return (ranks - 1) / ranks * shard_total / link.bandwidth + (ranks - 1) * link.latency
+
+
+_reduce_scatter = _all_gather

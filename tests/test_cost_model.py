@@ -1,0 +1,156 @@
+"""The step-time model (unison.cost_model): each term against its formula, computed here by hand, and the
+whole model against the throughput Narayanan et al. 2021 (Megatron-LM) published for their layouts."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from unison.cost_model import (
+    ACTIVATION_BYTES,
+    DEVICES,
+    GRADIENT_BYTES,
+    LINK_EFFICIENCY,
+    Batch,
+    DeviceSpec,
+    step_cost,
+)
+from unison.memory import ModelShape
+from unison.parallel.config import ParallelismConfig
+
+A100 = DEVICES["a100-80gb"]
+SEQ, VOCAB = 2048, 51200
+
+
+def gpt(layers: int, hidden: int) -> ModelShape:
+    """A GPT of Megatron's Table 1 shape: P = 12·l·h²·(1 + 13/(12h) + (V+s)/(12·l·h))."""
+    parameters = int(
+        12 * layers * hidden**2 * (1 + 13 / (12 * hidden) + (VOCAB + SEQ) / (12 * layers * hidden))
+    )
+    return ModelShape(parameters, parameters, layers=layers, hidden=hidden, vocab=VOCAB)
+
+
+def layout(devices: int, **sizes: int) -> ParallelismConfig:
+    return ParallelismConfig(**sizes).validate(devices)
+
+
+def test_compute_counts_6n_plus_attention_and_a_third_more_when_recomputing():
+    shape = gpt(24, 2304)
+    plain = step_cost(shape, layout(1), A100, 8, Batch(8, SEQ), efficiency=0.5)
+    tokens = 8 * SEQ
+    flops = (6 * shape.parameters + 12 * 24 * 2304 * SEQ) * tokens
+    assert plain.model_flops == pytest.approx(flops)
+    assert plain.compute == pytest.approx(flops / (A100.peak_flops * 0.5))
+    recomputed = step_cost(shape, layout(1), A100, 8, Batch(8, SEQ, recompute=True), efficiency=0.5)
+    assert recomputed.hardware_flops == pytest.approx(flops * 4 / 3)
+    assert recomputed.model_flops == pytest.approx(flops)  # MFU does not count the recomputation
+    assert recomputed.mfu == pytest.approx(plain.mfu * 3 / 4)
+
+
+@pytest.mark.parametrize("schedule, per_device", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
+def test_the_bubble_is_p_minus_1_over_vm_plus_p_minus_1_of_the_pipeline(schedule, per_device):
+    p, dp, m = 4, 2, 12
+    config = layout(p * dp, pp_size=p, dp_replicate_size=dp, pp_schedule=schedule)
+    cost = step_cost(gpt(24, 1024), config, A100, 8, Batch(dp * m, SEQ))
+    assert cost.bubble / (cost.compute + cost.bubble) == pytest.approx((p - 1) / (per_device * m + p - 1))
+
+
+def test_an_all_reduce_moves_2_n_minus_1_over_n_of_the_gradients_over_the_link_it_crosses():
+    shape = gpt(24, 2304)
+    batch = Batch(64, SEQ)
+    one_node = step_cost(shape, layout(8, dp_replicate_size=8), A100, 8, batch)
+    gradients = shape.parameters * GRADIENT_BYTES
+    nvlink = A100.intra_node_bandwidth * LINK_EFFICIENCY
+    expected = 2 * 7 / 8 * gradients / nvlink + 2 * 7 * A100.intra_node_latency
+    assert one_node.communication["dp all-reduce"] == pytest.approx(expected)
+    two_nodes = step_cost(shape, layout(16, dp_replicate_size=16), A100, 8, batch)
+    network = A100.inter_node_bandwidth * LINK_EFFICIENCY
+    assert two_nodes.communication["dp all-reduce"] == pytest.approx(
+        2 * 15 / 16 * gradients / network + 2 * 15 * A100.inter_node_latency
+    )
+    # DDP's buckets overlap the last micro-step's backward (2/3 of its compute): only the rest is exposed
+    window = two_nodes.compute * 2 / 3 / batch.micro_steps(16)
+    assert two_nodes.exposed["dp all-reduce"] == pytest.approx(
+        max(0.0, two_nodes.communication["dp all-reduce"] - window)
+    )
+
+
+def test_a_tiny_all_reduce_takes_the_tree_and_pays_log_n_latencies():
+    tiny = DeviceSpec("tiny link", 1e12, 2**30, 1e15, 1e15)  # bandwidth so high that latency is all
+    cost = step_cost(gpt(2, 64), layout(64, dp_replicate_size=64), tiny, 8, Batch(64, 16))
+    assert cost.communication["dp all-reduce"] == pytest.approx(
+        2 * math.log2(64) * tiny.inter_node_latency, rel=1e-3
+    )
+
+
+def test_zero3_gathers_twice_what_zero2_gathers_and_both_reduce_scatter_the_same():
+    shape, batch = gpt(24, 2304), Batch(32, SEQ)
+    zero2 = step_cost(shape, layout(8, dp_shard_size=8, zero_stage=2), A100, 8, batch)
+    zero3 = step_cost(shape, layout(8, dp_shard_size=8, zero_stage=3), A100, 8, batch)
+    assert zero3.communication["zero all-gather"] == pytest.approx(2 * zero2.communication["zero all-gather"])
+    assert zero3.communication["zero reduce-scatter"] == pytest.approx(
+        zero2.communication["zero reduce-scatter"]
+    )
+    micro_steps, blocks = 4, 24
+    per_block = (
+        7 / 8 * shape.parameters * ACTIVATION_BYTES / blocks / (A100.intra_node_bandwidth * LINK_EFFICIENCY)
+    )
+    assert zero2.communication["zero all-gather"] == pytest.approx(
+        micro_steps * blocks * (per_block + 7 * A100.intra_node_latency)
+    )
+    # prefetch hides the gathers behind compute: on NVLink nothing is exposed
+    assert sum(zero3.exposed.values()) == 0.0
+
+
+def test_tensor_parallel_all_reduces_four_activations_per_layer_and_micro_batch_none_hidden():
+    shape, b = gpt(24, 2304), 2
+    config = layout(8, tp_size=4, dp_replicate_size=2)
+    cost = step_cost(shape, config, A100, 8, Batch(8, SEQ, micro_batch_size=b))
+    activation = b * SEQ * 2304 * ACTIVATION_BYTES
+    one = (
+        2 * 3 / 4 * activation / (A100.intra_node_bandwidth * LINK_EFFICIENCY)
+        + 2 * 3 * A100.intra_node_latency
+    )
+    assert cost.communication["tp all-reduce"] == pytest.approx(2 * 24 * 4 * one)  # 2 micro-steps
+    assert cost.exposed["tp all-reduce"] == cost.communication["tp all-reduce"]
+    recomputed = step_cost(shape, config, A100, 8, Batch(8, SEQ, micro_batch_size=b, recompute=True))
+    assert recomputed.communication["tp all-reduce"] == pytest.approx(2 * 24 * 6 * one)
+
+
+def test_bad_input_is_refused_with_the_fix():
+    with pytest.raises(ValueError, match="global batch 10 does not split .* multiple of 8"):
+        step_cost(gpt(2, 64), layout(4, dp_replicate_size=4), A100, 8, Batch(10, 16, micro_batch_size=2))
+    with pytest.raises(ValueError, match="efficiency=1.5"):
+        step_cost(gpt(2, 64), layout(1), A100, 8, Batch(1, 16), efficiency=1.5)
+    with pytest.raises(ValueError, match="peak_flops=0 for device 'x'"):
+        DeviceSpec("x", 0, 1, 1, 1)
+
+
+# Narayanan et al. 2021, Table 1: GPT models trained with TP + PP + DP on A100 80GB (8 per node, HDR
+# InfiniBand), sequence 2048, vocabulary 51,200, full recomputation; achieved TFLOP/s per GPU.
+MEGATRON_TABLE_1 = [
+    # billions, layers, hidden, tp, pp, GPUs, global batch, published TFLOP/s per GPU
+    (1.7, 24, 2304, 1, 1, 32, 512, 137),
+    (3.6, 30, 3072, 2, 1, 64, 512, 138),
+    (7.5, 36, 4096, 4, 1, 128, 512, 142),
+    (18.4, 40, 6144, 8, 1, 256, 1024, 135),
+    (39.1, 48, 8192, 8, 2, 512, 1536, 138),
+    (76.1, 60, 10240, 8, 4, 1024, 1792, 140),
+    (145.6, 80, 12288, 8, 8, 1536, 2304, 148),
+    (310.1, 96, 16384, 8, 16, 1920, 2160, 155),
+    (529.6, 105, 20480, 8, 35, 2520, 2520, 163),
+    (1008.0, 128, 25600, 8, 64, 3072, 3072, 163),
+]
+
+
+@pytest.mark.parametrize("billions, layers, hidden, tp, pp, gpus, batch, published", MEGATRON_TABLE_1)
+def test_megatron_table_1_throughput_is_predicted_within_25_percent(
+    billions, layers, hidden, tp, pp, gpus, batch, published
+):
+    shape = gpt(layers, hidden)
+    assert shape.parameters / 1e9 == pytest.approx(billions, rel=0.03)  # the paper rounds to 0.1B
+    dp = gpus // (tp * pp)
+    config = layout(gpus, tp_size=tp, pp_size=pp, dp_replicate_size=dp)
+    cost = step_cost(shape, config, A100, 8, Batch(batch, SEQ, recompute=True))
+    assert cost.tflops_per_device == pytest.approx(published, rel=0.25)
