@@ -53,7 +53,19 @@ def test_the_bubble_is_p_minus_1_over_vm_plus_p_minus_1_of_the_pipeline(schedule
     p, dp, m = 4, 2, 12
     config = layout(p * dp, pp_size=p, dp_replicate_size=dp, pp_schedule=schedule)
     cost = step_cost(gpt(24, 1024), config, A100, 8, Batch(dp * m, SEQ))
-    assert cost.bubble / (cost.compute + cost.bubble) == pytest.approx((p - 1) / (per_device * m + p - 1))
+    pipeline = cost.compute + cost.imbalance  # the slowest stage's m micro-batches
+    assert cost.bubble / (pipeline + cost.bubble) == pytest.approx((p - 1) / (per_device * m + p - 1))
+
+
+def test_a_pipeline_runs_at_its_slowest_stage_whole_blocks_and_the_output_layer():
+    shape, dp, m = gpt(10, 1024), 2, 8
+    cost = step_cost(shape, layout(8, pp_size=4, dp_replicate_size=dp), A100, 8, Batch(dp * m, SEQ))
+    per_token = 6 * shape.parameters + 12 * 10 * 1024 * SEQ
+    head = 6 * VOCAB * 1024
+    block = (per_token - head) / 10
+    slowest = (3 * block + head) * dp * m * SEQ / dp  # ceil(10/4) = 3 blocks and the output layer
+    assert cost.compute + cost.imbalance == pytest.approx(slowest / (A100.peak_flops * 0.55))
+    assert cost.compute == pytest.approx(per_token * dp * m * SEQ / 8 / (A100.peak_flops * 0.55))
 
 
 def test_an_all_reduce_moves_2_n_minus_1_over_n_of_the_gradients_over_the_link_it_crosses():

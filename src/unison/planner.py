@@ -23,7 +23,8 @@ from typing import Any
 
 import torch.nn as nn
 
-from unison import memory
+from unison import memory, plan_speed
+from unison.cost_model import DEFAULT_EFFICIENCY, Batch, DeviceSpec, StepCost, step_cost
 from unison.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
 from unison.hardware import detect_hardware as detect_hardware
 from unison.hardware import link_from_topology as link_from_topology
@@ -121,6 +122,8 @@ class Workload:
 
     pipeline: pipeline layouts may be chosen (the loop calls the pipeline step; the model has a block list).
     tensor_parallel: TP layouts may be chosen (the model has a TP plan: built in or the user's).
+    global_batch_size: sequences per optimizer step over all ranks; with it the planner prices each layout's
+        step (unison.cost_model) and picks the fastest that fits, else the first in the guide's order.
     """
 
     precision: str = "fp32"
@@ -129,6 +132,7 @@ class Workload:
     activation_checkpointing: bool = False
     pipeline: bool = True
     tensor_parallel: bool = True
+    global_batch_size: int | None = None
 
     def __post_init__(self) -> None:
         names = [p.name for p in memory.PRECISIONS]
@@ -139,7 +143,12 @@ class Workload:
                 f"micro_batch_size={self.micro_batch_size}, seq_len={self.seq_len}: activations need both; "
                 "give both or neither (neither: model state only)."
             )
-        for name in ("micro_batch_size", "seq_len"):
+        if self.global_batch_size is not None and self.seq_len is None:
+            raise ValueError(
+                f"global_batch_size={self.global_batch_size} needs seq_len (tokens per sequence) and "
+                "micro_batch_size to price a step: give both."
+            )
+        for name in ("micro_batch_size", "seq_len", "global_batch_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name}={value!r} is not a whole number >= 1.")
@@ -156,6 +165,7 @@ class Candidate:
     config: ParallelismConfig
     memory: PlanMemory
     why: str
+    cost: StepCost | None = None  # the predicted step, when the run's global batch is known
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -163,6 +173,7 @@ class Candidate:
             "config": dataclasses.asdict(self.config),
             "memory": self.memory.to_dict(),
             "why": self.why,
+            "cost": None if self.cost is None else self.cost.to_dict(),
         }
 
 
@@ -177,11 +188,15 @@ class Plan:
     hardware: Hardware
     workload: Workload
     model: ModelFacts
+    cost: StepCost | None = None
+    device: DeviceSpec | None = None  # what the cost was priced with
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "config": dataclasses.asdict(self.config),
             "memory": self.memory.to_dict(),
+            "cost": None if self.cost is None else self.cost.to_dict(),
+            "device": None if self.device is None else dataclasses.asdict(self.device),
             "reasons": list(self.reasons),
             "runners_up": [candidate.to_dict() for candidate in self.runners_up],
             "layout": self.config.describe(),
@@ -203,8 +218,11 @@ def plan_parallelism(
     activation_checkpointing: bool = False,
     pipeline: bool = True,
     tensor_parallel: bool = True,
+    global_batch_size: int | None = None,
+    device: str | DeviceSpec | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
 ) -> Plan:
-    """The layout the guide's decision tree picks for `model` on `hardware` (raises PlanError if none fits).
+    """The layout to train `model` with on `hardware` (raises PlanError if none fits).
 
     Without micro_batch_size and seq_len only the model state is counted (the 25% kept free by
     'comfortably' is then all the room activations get). `activation_checkpointing` says the run
@@ -212,15 +230,32 @@ def plan_parallelism(
     (activation_checkpointing="full"), so prepare() runs what was priced.
     `pipeline=False` / `tensor_parallel=False` leave out layouts the run cannot take (a loop without the
     pipeline step, a model without a TP plan).
+    With `global_batch_size` (sequences per step) and `seq_len`, every layout that fits is priced by
+    unison.cost_model on `device` (a name in cost_model.DEVICES or a DeviceSpec; default H100) at
+    `efficiency` x its peak, and the fastest is chosen; without, the first in the guide's order that fits.
     """
     workload = Workload(
-        precision, micro_batch_size, seq_len, activation_checkpointing, pipeline, tensor_parallel
+        precision,
+        micro_batch_size or (1 if global_batch_size else None),
+        seq_len,
+        activation_checkpointing,
+        pipeline,
+        tensor_parallel,
+        global_batch_size,
     )
-    return plan_for(model_facts(model), hardware, workload)
+    return plan_for(model_facts(model), hardware, workload, device, efficiency)
 
 
-def plan_for(facts: ModelFacts, hardware: Hardware, workload: Workload) -> Plan:
+def plan_for(
+    facts: ModelFacts,
+    hardware: Hardware,
+    workload: Workload,
+    device: str | DeviceSpec | None = None,
+    efficiency: float = DEFAULT_EFFICIENCY,
+) -> Plan:
     """plan_parallelism for a model already reduced to its ModelFacts."""
+    if workload.global_batch_size is not None and facts.shape.layers is not None:
+        return _plan_fastest(facts, hardware, workload, plan_speed.device_spec(hardware, device), efficiency)
     chosen, ranked = _choose(facts, hardware, workload)
     if chosen is None:
         raise _nothing_fits(facts, hardware, workload, ranked)
@@ -228,10 +263,66 @@ def plan_for(facts: ModelFacts, hardware: Hardware, workload: Workload) -> Plan:
     before = [dataclasses.replace(c, why=_why_lost(c, winner)) for c in ranked[max(0, chosen - 6) : chosen]]
     after = [dataclasses.replace(c, why="ranked lower: " + c.why) for c in ranked[chosen + 1 : chosen + 4]]
     reasons = _reasons(facts, hardware, workload, winner)
-    config = winner.config
-    if workload.activation_checkpointing:  # priced with recomputation: the config turns it on in prepare()
-        config = dataclasses.replace(config, activation_checkpointing=FULL)
-    return Plan(config, winner.memory, reasons, (*before, *after), hardware, workload, facts)
+    return Plan(
+        _as_run(winner.config, workload), winner.memory, reasons, (*before, *after), hardware, workload, facts
+    )
+
+
+def _plan_fastest(
+    facts: ModelFacts, hw: Hardware, workload: Workload, spec: DeviceSpec, efficiency: float
+) -> Plan:
+    """The fastest layout by predicted step time among those that fit comfortably, else at all."""
+    assert workload.global_batch_size is not None and workload.seq_len is not None
+    batch = Batch(
+        workload.global_batch_size,
+        workload.seq_len,
+        workload.micro_batch_size or 1,
+        workload.activation_checkpointing,
+    )
+    priced: list[Candidate] = []
+    for config in _ranked_layouts(facts, hw, workload):
+        config = plan_speed.with_batch(config, batch, hw.devices)
+        if config is None or any(c.config == config for c in priced):
+            continue
+        need = layout_memory(facts, hw.device_memory, workload, config)
+        cost = step_cost(facts.shape, config, spec, hw.devices_per_node, batch, efficiency)
+        priced.append(Candidate(config, need, _why(config), cost))
+    if not priced:
+        raise PlanError(
+            f"global batch {batch.global_batch} with micro-batches of {batch.micro_batch_size} splits over "
+            f"no layout of {hw.devices} devices: make it a multiple of {hw.devices * batch.micro_batch_size} "
+            "(or of a data-parallel degree that divides the devices)."
+        )
+    for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
+        fitting = sorted((c for c in priced if c.memory.fraction <= limit), key=lambda c: c.cost.step)
+        if fitting:
+            break
+    else:
+        raise _nothing_fits(facts, hw, workload, priced)
+    winner = fitting[0]
+    runners_up = tuple(
+        dataclasses.replace(c, why=f"{c.cost.step / winner.cost.step - 1:+.0%} step time: " + c.why)
+        for c in fitting[1:5]
+    )
+    reasons = _reasons(facts, hw, workload, winner, by_speed=len(fitting))
+    return Plan(
+        _as_run(winner.config, workload),
+        winner.memory,
+        reasons,
+        runners_up,
+        hw,
+        workload,
+        facts,
+        winner.cost,
+        spec,
+    )
+
+
+def _as_run(config: ParallelismConfig, workload: Workload) -> ParallelismConfig:
+    """The config prepare() runs: priced with recomputation, it turns activation checkpointing on."""
+    if workload.activation_checkpointing:
+        return dataclasses.replace(config, activation_checkpointing=FULL)
+    return config
 
 
 def _choose(facts: ModelFacts, hw: Hardware, workload: Workload) -> tuple[int | None, list[Candidate]]:
@@ -399,7 +490,9 @@ def _why_lost(candidate: Candidate, winner: Candidate) -> str:
 
 
 # -- reasons and the nothing-fits message ------------------------------------------------------------------
-def _reasons(facts: ModelFacts, hw: Hardware, workload: Workload, winner: Candidate) -> tuple[str, ...]:
+def _reasons(
+    facts: ModelFacts, hw: Hardware, workload: Workload, winner: Candidate, by_speed: int = 0
+) -> tuple[str, ...]:
     precision = workload.bytes
     one_device = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, pp_size=1)
     single = layout_memory(facts, hw.device_memory, workload, one_device)
@@ -443,11 +536,23 @@ def _reasons(facts: ModelFacts, hw: Hardware, workload: Workload, winner: Candid
             "or activation checkpointing gives more"
         )
     )
+    which = (
+        f"the fastest of the {by_speed} layouts that fit {limit}"
+        if by_speed
+        else f"the first layout in this order that fits {limit}"
+    )
     reasons.append(
         f"chosen: {winner.config.describe()}: {winner.why}; {memory.format_bytes(winner.memory.total)} per "
-        f"device ({winner.memory.fraction:.0%}), the first layout in this order that fits {limit}"
+        f"device ({winner.memory.fraction:.0%}), {which}"
     )
-    if winner.config.pp_size > 1:
+    if winner.cost is not None:
+        micro_steps = workload.global_batch_size // (winner.config.dp_size * (workload.micro_batch_size or 1))
+        reasons.append(
+            f"global batch {workload.global_batch_size} = micro-batch {workload.micro_batch_size or 1} x "
+            f"{micro_steps} micro-steps x dp {winner.config.dp_size}"
+            + ("" if winner.config.pp_size > 1 else f" (gradient_accumulation_steps={micro_steps})")
+        )
+    if winner.config.pp_size > 1 and winner.cost is None:
         reasons.append(
             f"one step runs {winner.config.pp_microbatches} micro-batches through the pipeline (4 per "
             f"stage): global batch = micro-batch x {winner.config.pp_microbatches} x dp "

@@ -1,0 +1,97 @@
+"""Choose between the layouts that fit by their predicted step time (unison.cost_model).
+
+The planner (unison.planner) lists the valid layouts and prices their memory; when the run's batch is
+known (global batch and sequence length), this module prices each layout's step and the planner takes
+the fastest of those that fit. Memory stays the hard constraint; speed only orders what fits.
+
+The global batch fixes each layout's micro-steps: with `dp` data-parallel ranks and micro-batches of `b`
+sequences, every rank runs m = global / (dp·b) micro-batches per step, which is a pipeline's
+micro-batch count and otherwise the gradient accumulation steps. A layout whose data-parallel degree does
+not divide the global batch cannot run it and is left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from unison.cost_model import DEVICES, Batch, DeviceSpec
+from unison.hardware import Hardware
+from unison.parallel.config import ParallelismConfig
+
+DEFAULT_DEVICE = "h100"
+"""The device priced when none is named: the planner's default memory (80GB) is an H100's or A100's."""
+PCIE_BANDWIDTH = 32e9
+"""Device-to-device bandwidth one way over PCIe 4.0 x16 (a node without NVLink)."""
+ETHERNET_BANDWIDTH = 12.5e9
+"""One node's network when the nodes are linked by 'ethernet' (100 Gb/s), shared by its devices."""
+
+
+def device_spec(hardware: Hardware, name: str | DeviceSpec | None = None) -> DeviceSpec:
+    """The DeviceSpec to price `hardware` with: `name` from cost_model.DEVICES (or a DeviceSpec), its links
+    replaced by what `hardware` says it has (PCIe inside a node; Ethernet, InfiniBand or NVLink between)."""
+    if isinstance(name, DeviceSpec):
+        spec = name
+    else:
+        key = (name or DEFAULT_DEVICE).lower()
+        if key not in DEVICES:
+            raise ValueError(
+                f"device {name!r} is not in the device table: pass one of {', '.join(DEVICES)}, or describe "
+                "it (name:peak=FLOP/s,nvlink=bytes/s,network=bytes/s)."
+            )
+        spec = DEVICES[key]
+    if hardware.interconnect == "pcie":
+        spec = dataclasses.replace(spec, intra_node_bandwidth=PCIE_BANDWIDTH)
+    if hardware.inter_node == "ethernet":
+        spec = dataclasses.replace(spec, inter_node_bandwidth=ETHERNET_BANDWIDTH / hardware.devices_per_node)
+    elif hardware.inter_node == "nvlink":  # NVLink-switch systems (NVL72): the whole rack is one node's link
+        spec = dataclasses.replace(
+            spec, inter_node_bandwidth=spec.intra_node_bandwidth, inter_node_latency=spec.intra_node_latency
+        )
+    return spec
+
+
+def parse_device_spec(text: str) -> DeviceSpec:
+    """'NAME:peak=989e12,memory=80GB,nvlink=450e9,network=50e9' -> a DeviceSpec for a device the table
+    lacks; a NAME in the table may be given with only the fields that differ."""
+    from unison.hardware import parse_memory
+
+    name, _, fields = text.partition(":")
+    known = DEVICES.get(name.strip().lower())
+    values: dict[str, float | int] = {}
+    aliases = {
+        "peak": "peak_flops",
+        "memory": "memory",
+        "nvlink": "intra_node_bandwidth",
+        "network": "inter_node_bandwidth",
+    }
+    for item in filter(None, (part.strip() for part in fields.split(","))):
+        key, _, value = item.partition("=")
+        if key not in aliases:
+            raise ValueError(f"device field {key!r} in {text!r} is unknown: use {', '.join(aliases)}.")
+        try:
+            values[aliases[key]] = parse_memory(value) if key == "memory" else float(value)
+        except ValueError:
+            raise ValueError(
+                f"device field {key}={value!r} in {text!r} is not a number (e.g. 989e12)."
+            ) from None
+    if known is not None:
+        return dataclasses.replace(known, **values)
+    missing = [alias for alias, field in aliases.items() if field not in values]
+    if missing:
+        raise ValueError(
+            f"device {name!r} is not in the table ({', '.join(DEVICES)}), so {text!r} must give "
+            f"{', '.join(missing)} too, e.g. {name}:peak=989e12,memory=80GB,nvlink=450e9,network=50e9."
+        )
+    return DeviceSpec(name, **values)  # type: ignore[arg-type]
+
+
+def with_batch(config: ParallelismConfig, batch: Batch, devices: int) -> ParallelismConfig | None:
+    """`config` with the pipeline's micro-batch count set from the global batch, or None when the
+    global batch does not split over its data-parallel ranks."""
+    try:
+        micro_steps = batch.micro_steps(config.dp_size)
+    except ValueError:
+        return None
+    if (config.pp_size or 1) > 1:
+        config = dataclasses.replace(config, pp_microbatches=micro_steps).validate(devices)
+    return config
