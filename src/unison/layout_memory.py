@@ -18,7 +18,7 @@ from unison.parallel.checkpointing import FULL
 from unison.parallel.config import ParallelismConfig
 
 if TYPE_CHECKING:  # the planner's types; the planner imports this module
-    from unison.planner import ModelFacts, Workload
+    from unison.plan_inputs import ModelFacts, Workload
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from unison.hardware import detect_hardware as detect_hardware
 from unison.hardware import link_from_topology as link_from_topology
 from unison.hardware import parse_memory as parse_memory
 from unison.layout_memory import PlanMemory, layout_memory
-from unison.parallel.blocks import find_blocks
 from unison.parallel.checkpointing import FULL
 from unison.parallel.config import ParallelismConfig
+from unison.plan_inputs import ModelFacts, Workload, model_facts
 
 COMFORTABLE_FRACTION = 0.75
 """A layout 'fits comfortably' (the guide's word for case 1) when it needs at most this share of a device."""
@@ -41,121 +41,9 @@ USABLE_FRACTION = 0.90
 MICROBATCHES_PER_STAGE = 4
 """Pipeline micro-batches per stage: m = 4p keeps the 1F1B bubble (p-1)/(m+p-1) under 20%."""
 
-_HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
-_KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
-
 
 class PlanError(ValueError):
     """No layout fits the hardware; the message says by how much and what would make one fit."""
-
-
-@dataclass(frozen=True)
-class ModelFacts:
-    """What planning needs from a model: its shape (unison.memory) plus the sizes that limit a split."""
-
-    shape: memory.ModelShape
-    blocks: int  # length of the block list (0: none, so no pipeline split and one ZeRO-3 unit)
-    block_parameters: int
-    heads: int | None
-    kv_heads: int | None
-    largest_layer: str
-    largest_layer_parameters: int
-
-    @property
-    def root_parameters(self) -> int:
-        """Parameters outside the block list (embeddings, final norm, output layer)."""
-        return self.shape.parameters - self.blocks * self.block_parameters
-
-    @property
-    def largest_unit(self) -> int:
-        """Parameters ZeRO-3 gathers at once: one block, or the root (everything outside the blocks)."""
-        return max(self.block_parameters, self.root_parameters) if self.blocks else self.shape.parameters
-
-    def describe(self) -> str:
-        shape = self.shape
-        text = (
-            f"{shape.parameters / 1e9:.2f}B parameters"
-            if shape.parameters >= 1e8
-            else (f"{shape.parameters:,} parameters")
-        )
-        if shape.layers:
-            text += f", {shape.layers} blocks ({shape.blocks}) of hidden {shape.hidden}"
-        if self.heads:
-            text += f", {self.heads} heads" + (
-                f" ({self.kv_heads} kv)" if self.kv_heads != self.heads else ""
-            )
-        return text + f"; largest layer {self.largest_layer} ({self.largest_layer_parameters:,} parameters)"
-
-
-def model_facts(model: nn.Module) -> ModelFacts:
-    """Read a model's ModelFacts (works on the meta device: only shapes are read)."""
-    shape = memory.inspect_model(model)
-    found = find_blocks(model)
-    blocks, block_parameters = 0, 0
-    if found is not None:
-        blocks = len(found[1])
-        block_parameters = sum(p.numel() for p in found[1].parameters()) // blocks
-    name, largest = "", 0
-    for module_name, module in model.named_modules():
-        size = sum(p.numel() for p in module.parameters(recurse=False))
-        if size > largest:
-            name, largest = module_name or type(module).__name__, size
-    heads = _find_int(model, _HEAD_NAMES)
-    kv_heads = _find_int(model, _KV_HEAD_NAMES) or heads
-    return ModelFacts(shape, blocks, block_parameters, heads, kv_heads, name, largest)
-
-
-def _find_int(model: nn.Module, names: tuple[str, ...]) -> int | None:
-    """The first positive int under one of `names` in model.config (object or dict), then in any module."""
-    config = getattr(model, "config", None)
-    for source in (config, *model.modules()):
-        for name in names:
-            value = source.get(name) if isinstance(source, dict) else getattr(source, name, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
-
-
-@dataclass(frozen=True)
-class Workload:
-    """The training run: precision, batch shape (for activations), and what its loop and model allow.
-
-    pipeline: pipeline layouts may be chosen (the loop calls the pipeline step; the model has a block list).
-    tensor_parallel: TP layouts may be chosen (the model has a TP plan: built in or the user's).
-    global_batch_size: sequences per optimizer step over all ranks; with it the planner prices each layout's
-        step (unison.cost_model) and picks the fastest that fits, else the first in the guide's order.
-    """
-
-    precision: str = "fp32"
-    micro_batch_size: int | None = None
-    seq_len: int | None = None
-    activation_checkpointing: bool = False
-    pipeline: bool = True
-    tensor_parallel: bool = True
-    global_batch_size: int | None = None
-
-    def __post_init__(self) -> None:
-        names = [p.name for p in memory.PRECISIONS]
-        if self.precision not in names:
-            raise ValueError(f"precision={self.precision!r} is unknown: pass one of {', '.join(names)}.")
-        if (self.micro_batch_size is None) != (self.seq_len is None):
-            raise ValueError(
-                f"micro_batch_size={self.micro_batch_size}, seq_len={self.seq_len}: activations need both; "
-                "give both or neither (neither: model state only)."
-            )
-        if self.global_batch_size is not None and self.seq_len is None:
-            raise ValueError(
-                f"global_batch_size={self.global_batch_size} needs seq_len (tokens per sequence) and "
-                "micro_batch_size to price a step: give both."
-            )
-        for name in ("micro_batch_size", "seq_len", "global_batch_size"):
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name}={value!r} is not a whole number >= 1.")
-
-    @property
-    def bytes(self) -> memory.Precision:
-        return next(p for p in memory.PRECISIONS if p.name == self.precision)
 
 
 @dataclass(frozen=True)
