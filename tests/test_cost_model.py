@@ -9,8 +9,10 @@ import pytest
 
 from unison.cost_model import (
     ACTIVATION_BYTES,
+    DEFAULT_EFFICIENCY,
     DEVICES,
     GRADIENT_BYTES,
+    HIDDEN_HALF_EFFICIENCY,
     LINK_EFFICIENCY,
     Batch,
     DeviceSpec,
@@ -41,7 +43,10 @@ def test_compute_counts_6n_plus_attention_and_a_third_more_when_recomputing():
     tokens = 8 * SEQ
     flops = (6 * shape.parameters + 12 * 24 * 2304 * SEQ) * tokens
     assert plain.model_flops == pytest.approx(flops)
-    assert plain.compute == pytest.approx(flops / (A100.peak_flops * 0.5))
+    # a narrow model reaches less of the peak: h / (h + h0) of `efficiency`
+    assert plain.compute == pytest.approx(
+        flops / (A100.peak_flops * 0.5 * 2304 / (2304 + HIDDEN_HALF_EFFICIENCY))
+    )
     recomputed = step_cost(shape, layout(1), A100, 8, Batch(8, SEQ, recompute=True), efficiency=0.5)
     assert recomputed.hardware_flops == pytest.approx(flops * 4 / 3)
     assert recomputed.model_flops == pytest.approx(flops)  # MFU does not count the recomputation
@@ -64,8 +69,9 @@ def test_a_pipeline_runs_at_its_slowest_stage_whole_blocks_and_the_output_layer(
     head = 6 * VOCAB * 1024
     block = (per_token - head) / 10
     slowest = (3 * block + head) * dp * m * SEQ / dp  # ceil(10/4) = 3 blocks and the output layer
-    assert cost.compute + cost.imbalance == pytest.approx(slowest / (A100.peak_flops * 0.55))
-    assert cost.compute == pytest.approx(per_token * dp * m * SEQ / 8 / (A100.peak_flops * 0.55))
+    rate = A100.peak_flops * DEFAULT_EFFICIENCY * 1024 / (1024 + HIDDEN_HALF_EFFICIENCY)
+    assert cost.compute + cost.imbalance == pytest.approx(slowest / rate)
+    assert cost.compute == pytest.approx(per_token * dp * m * SEQ / 8 / rate)
 
 
 def test_an_all_reduce_moves_2_n_minus_1_over_n_of_the_gradients_over_the_link_it_crosses():
@@ -166,3 +172,33 @@ def test_megatron_table_1_throughput_is_predicted_within_25_percent(
     config = layout(gpus, tp_size=tp, pp_size=pp, dp_replicate_size=dp)
     cost = step_cost(shape, config, A100, 8, Batch(batch, SEQ, recompute=True))
     assert cost.tflops_per_device == pytest.approx(published, rel=0.25)
+
+
+LLAMA_3_1_405B = ModelShape(405_853_388_800, 405_853_388_800, layers=126, hidden=16384, vocab=128256)
+
+
+@pytest.mark.parametrize("gpus, dp, published", [(8192, 64, 430), (16384, 128, 400)])
+def test_llama_3_1_405b_throughput_as_meta_published_it(gpus, dp, published):
+    """Llama 3 paper, Table 4: H100s, TP 8 x PP 16 x DP, sequences of 8,192, 16M tokens per step, the
+    interleaved schedule with one block per virtual stage (126 blocks and the embedding and output layers
+    over 16 x 8 stages); 430 and 400 TFLOP/s per GPU (43% and 41% of peak)."""
+    one_block_per_stage = [f"layers.{i}" for i in range(16 * 8 - 1)]
+    config = layout(
+        gpus,
+        tp_size=8,
+        pp_size=16,
+        dp_replicate_size=dp,
+        pp_schedule="interleaved",
+        pp_split_points=one_block_per_stage,
+    )
+    cost = step_cost(LLAMA_3_1_405B, config, DEVICES["h100"], 8, Batch(2048, 8192))
+    assert cost.tflops_per_device == pytest.approx(published, rel=0.25)
+
+
+def test_nanogpt_gpt2_124m_on_8_a100_as_its_readme_reports():
+    """nanoGPT's GPT-2 124M run: 8 x A100 40GB, DDP, 12 x 1024 tokens per micro-batch, 40 micro-batches per
+    step (491,520 tokens), 600,000 steps in about 4 days: about 853,000 tokens/s."""
+    parameters = 124_439_808 + 1024 * 768  # nanoGPT counts its position embeddings too
+    shape = ModelShape(parameters, parameters, layers=12, hidden=768, vocab=50304)
+    cost = step_cost(shape, layout(8, dp_replicate_size=8), DEVICES["a100-40gb"], 8, Batch(480, 1024, 12))
+    assert cost.tokens_per_second == pytest.approx(600_000 * 491_520 / (4 * 86_400), rel=0.25)

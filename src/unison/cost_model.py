@@ -8,10 +8,11 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
 
 - compute: the step's FLOPs, 6·N per token plus attention's 12·L·h·s (PaLM), x 4/3 with full
   activation recomputation (the forward runs twice), spread evenly over the devices and run at
-  `efficiency` x the device's dense bf16 peak. `efficiency` is the one assumption that matters most:
-  the share of peak that a layout's matrix multiplications reach once nothing waits (0.55 by default:
-  Megatron-LM's GPT runs on A100 reached 44-52% of peak with communication, the bubble and the
-  pipeline's imbalance included, which this model predicts within 12-18% at 0.55).
+  `efficiency` x h/(h + 640) x the device's dense bf16 peak. `efficiency` is the assumption that matters
+  most: the share of peak a wide model's step reaches once nothing waits (0.6 by default); the factor
+  h/(h + 640) is what a narrow model loses to the memory-bound work beside its matrix multiplications
+  (HIDDEN_HALF_EFFICIENCY). With these, Megatron-LM's ten GPT runs on A100 (44-52% of peak measured) are
+  predicted within 15% at their layouts (tests/test_cost_model.py; docs/planner.md has the table).
 - communication: each collective the layout issues in one step, its bytes and the link it crosses,
   timed as NCCL's ring (bandwidth 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for a
   reduce-scatter or all-gather, plus one latency per hop) or tree (2·log2(n) latencies) algorithm,
@@ -39,8 +40,13 @@ from typing import Any
 from unison.memory import ModelShape
 from unison.parallel.config import ParallelismConfig
 
-DEFAULT_EFFICIENCY = 0.55
-"""Share of the dense bf16 peak the step's matrix multiplications reach (module docstring)."""
+DEFAULT_EFFICIENCY = 0.6
+"""Share of the dense bf16 peak a wide model's step reaches when nothing waits (module docstring)."""
+HIDDEN_HALF_EFFICIENCY = 640
+"""The hidden size at which a step reaches half of `efficiency`: per token, the matrix multiplications
+cost O(h²) FLOPs but norms, activations, softmax and residual adds move O(h) bytes at memory speed, so
+the share of time in matrix multiplications is h / (h + h0). h0 = 640 puts nanoGPT's GPT-2 124M (h 768)
+at 0.55 x and Megatron's 1.7B (h 2304) at 0.78 x of a 1T model's (h 25600, 0.98 x)."""
 LINK_EFFICIENCY = 0.75
 """Share of a link's data-sheet bandwidth that NCCL's collectives reach (nccl-tests' bus bandwidth:
 about 230 of 300 GB/s on A100 NVLink, 370 of 450 on H100, 23 of 25 GB/s on HDR InfiniBand)."""
@@ -132,6 +138,8 @@ class StepCost:
     hardware_flops: float
     devices: int
     peak_flops: float
+    micro_batch_size: int
+    micro_steps: int  # micro-batches per step on each data-parallel rank (a pipeline's m)
 
     @property
     def step(self) -> float:
@@ -162,6 +170,8 @@ class StepCost:
             "tokens_per_second": self.tokens_per_second,
             "mfu": self.mfu,
             "tflops_per_device": self.tflops_per_device,
+            "micro_batch_size": self.micro_batch_size,
+            "micro_steps": self.micro_steps,
         }
 
 
@@ -195,13 +205,13 @@ def step_cost(
     tokens = batch.global_batch * batch.seq_len
     model_flops = (6.0 * shape.parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len) * tokens
     hardware_flops = model_flops * (4 / 3 if batch.recompute else 1.0)
-    rate = device.peak_flops * efficiency
+    rate = device.peak_flops * efficiency * shape.hidden / (shape.hidden + HIDDEN_HALF_EFFICIENCY)
     compute = hardware_flops / devices / rate
     imbalance = bubble = 0.0
     if pp > 1:
         # a pipeline runs at its slowest stage's pace: whole blocks per stage (some stages hold one more
         # when p does not divide L) and the output layer on the last one
-        per_device = 2 if config.pp_schedule == "interleaved" else 1
+        per_device = stages_per_device(config)
         head = 6.0 * (shape.vocab or 0) * shape.hidden
         block = (model_flops / tokens - head) / shape.layers
         slowest = (per_device * math.ceil(shape.layers / (pp * per_device)) * block + head) * tokens
@@ -244,8 +254,9 @@ def step_cost(
         activation = batch.micro_batch_size * batch.seq_len // cp * shape.hidden * ACTIVATION_BYTES
         hop = link(tp * cp * dp, 2)  # next stage: one pipeline rank further, every other rank in between
         # 1F1B sends each micro-batch's activations forward and its gradients back on the critical path:
-        # m + p - 1 slots each way; Megatron's scatter-gather splits a send over the tp ranks
-        seconds = 2 * (micro_steps + pp - 1) * (activation / tp / hop.bandwidth + hop.latency)
+        # v·m + p - 1 slots each way; Megatron's scatter-gather splits a send over the tp ranks
+        slots = stages_per_device(config) * micro_steps + pp - 1  # interleaved: v crossings per micro-batch
+        seconds = 2 * slots * (activation / tp / hop.bandwidth + hop.latency)
         communication["pp send/recv"] = exposed["pp send/recv"] = seconds
     if config.offload:
         shard = shape.parameters / max(1, shards)
@@ -263,7 +274,18 @@ def step_cost(
         hardware_flops,
         devices,
         device.peak_flops,
+        batch.micro_batch_size,
+        micro_steps,
     )
+
+
+def stages_per_device(config: ParallelismConfig) -> int:
+    """Pipeline stages each device holds (the interleaved schedule's v): as many as pp_split_points make
+    per device, else 2 for "interleaved" (unison's default split), else 1."""
+    pp = config.pp_size or 1
+    if config.pp_split_points is not None:
+        return max(1, (len(config.pp_split_points) + 1) // pp)
+    return 2 if config.pp_schedule == "interleaved" else 1
 
 
 def _data_parallel(

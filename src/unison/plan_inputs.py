@@ -90,8 +90,13 @@ class Workload:
 
     pipeline: pipeline layouts may be chosen (the loop calls the pipeline step; the model has a block list).
     tensor_parallel: TP layouts may be chosen (the model has a TP plan: built in or the user's).
-    global_batch_size: sequences per optimizer step over all ranks; with it the planner prices each layout's
-        step (unison.cost_model) and picks the fastest that fits, else the first in the guide's order.
+    global_batch_size: sequences per optimizer step over all ranks; with it (and seq_len) the planner prices
+        each layout's step (unison.cost_model) and picks the fastest that fits, else the first in the guide's
+        order. micro_batch_size may then be None: the planner tries 1, 2, 4, ... and keeps the fastest
+        that fits.
+    zero: layouts that shard parameters or gradients over the data-parallel ranks (ZeRO-2/3, HSDP, ZeRO-1
+        beside a pipeline) may be chosen; False keeps plain data parallelism (e.g. to compare with runs made
+        before ZeRO existed).
     """
 
     precision: str = "fp32"
@@ -101,20 +106,22 @@ class Workload:
     pipeline: bool = True
     tensor_parallel: bool = True
     global_batch_size: int | None = None
+    zero: bool = True
 
     def __post_init__(self) -> None:
         names = [p.name for p in memory.PRECISIONS]
         if self.precision not in names:
             raise ValueError(f"precision={self.precision!r} is unknown: pass one of {', '.join(names)}.")
-        if (self.micro_batch_size is None) != (self.seq_len is None):
+        searched = self.global_batch_size is not None and self.micro_batch_size is None
+        if (self.micro_batch_size is None) != (self.seq_len is None) and not searched:
             raise ValueError(
                 f"micro_batch_size={self.micro_batch_size}, seq_len={self.seq_len}: activations need both; "
                 "give both or neither (neither: model state only)."
             )
         if self.global_batch_size is not None and self.seq_len is None:
             raise ValueError(
-                f"global_batch_size={self.global_batch_size} needs seq_len (tokens per sequence) and "
-                "micro_batch_size to price a step: give both."
+                f"global_batch_size={self.global_batch_size} needs seq_len (tokens per sequence) to price "
+                "a step: give it too."
             )
         for name in ("micro_batch_size", "seq_len", "global_batch_size"):
             value = getattr(self, name)

@@ -17,6 +17,7 @@ import dataclasses
 from unison.cost_model import DEVICES, Batch, DeviceSpec
 from unison.hardware import Hardware
 from unison.parallel.config import ParallelismConfig
+from unison.plan_inputs import Workload
 
 DEFAULT_DEVICE = "h100"
 """The device priced when none is named: the planner's default memory (80GB) is an H100's or A100's."""
@@ -24,6 +25,12 @@ PCIE_BANDWIDTH = 32e9
 """Device-to-device bandwidth one way over PCIe 4.0 x16 (a node without NVLink)."""
 ETHERNET_BANDWIDTH = 12.5e9
 """One node's network when the nodes are linked by 'ethernet' (100 Gb/s), shared by its devices."""
+SAME_SPEED = 0.03
+"""Layouts predicted within 3% of the fastest count as equally fast (the model is not that precise): of
+those, the planner takes the one the guide lists first, the simpler (DDP before ZeRO, no split before TP
+before PP)."""
+LARGEST_MICRO_BATCH = 64
+"""The largest micro-batch the planner tries when none is given."""
 
 
 def device_spec(hardware: Hardware, name: str | DeviceSpec | None = None) -> DeviceSpec:
@@ -83,6 +90,25 @@ def parse_device_spec(text: str) -> DeviceSpec:
             f"{', '.join(missing)} too, e.g. {name}:peak=989e12,memory=80GB,nvlink=450e9,network=50e9."
         )
     return DeviceSpec(name, **values)  # type: ignore[arg-type]
+
+
+def micro_batch_sizes(workload: Workload) -> list[int]:
+    """The micro-batch sizes to try: 1, 2, 4, ... up to the global batch (at most LARGEST_MICRO_BATCH)."""
+    assert workload.global_batch_size is not None
+    sizes, size = [], 1
+    while size <= min(workload.global_batch_size, LARGEST_MICRO_BATCH):
+        sizes.append(size)
+        size *= 2
+    return sizes
+
+
+def schedules(config: ParallelismConfig, blocks: int) -> list[ParallelismConfig]:
+    """`config`, and beside a pipeline its interleaved variant (two stages per device: half the bubble,
+    twice the sends) when every stage still gets a block."""
+    pp = config.pp_size or 1
+    if pp < 2 or blocks < 2 * pp:
+        return [config]
+    return [config, dataclasses.replace(config, pp_schedule="interleaved")]
 
 
 def with_batch(config: ParallelismConfig, batch: Batch, devices: int) -> ParallelismConfig | None:

@@ -159,47 +159,64 @@ def plan_for(
 def _plan_fastest(
     facts: ModelFacts, hw: Hardware, workload: Workload, spec: DeviceSpec, efficiency: float
 ) -> Plan:
-    """The fastest layout by predicted step time among those that fit comfortably, else at all."""
+    """The fastest layout by predicted step time among those that fit comfortably, else at all; a layout
+    within SAME_SPEED of the fastest that comes earlier in the guide's order wins (simpler, as fast)."""
     assert workload.global_batch_size is not None and workload.seq_len is not None
-    batch = Batch(
-        workload.global_batch_size,
-        workload.seq_len,
-        workload.micro_batch_size or 1,
-        workload.activation_checkpointing,
+    sizes = (
+        [workload.micro_batch_size] if workload.micro_batch_size else plan_speed.micro_batch_sizes(workload)
     )
-    priced: list[Candidate] = []
-    for config in _ranked_layouts(facts, hw, workload):
-        config = plan_speed.with_batch(config, batch, hw.devices)
-        if config is None or any(c.config == config for c in priced):
-            continue
-        need = layout_memory(facts, hw.device_memory, workload, config)
-        cost = step_cost(facts.shape, config, spec, hw.devices_per_node, batch, efficiency)
-        priced.append(Candidate(config, need, _why(config), cost))
-    if not priced:
+    per_layout: list[list[Candidate]] = []  # in the guide's order; each layout at every micro-batch size
+    layouts = [
+        s
+        for config in _ranked_layouts(facts, hw, workload)
+        for s in plan_speed.schedules(config, facts.blocks)
+    ]
+    for config in layouts:
+        priced = []
+        for size in sizes:
+            run = dataclasses.replace(workload, micro_batch_size=size)
+            batch = Batch(
+                workload.global_batch_size, workload.seq_len, size, workload.activation_checkpointing
+            )
+            sized = plan_speed.with_batch(config, batch, hw.devices)
+            if sized is not None:
+                cost = step_cost(facts.shape, sized, spec, hw.devices_per_node, batch, efficiency)
+                need = layout_memory(facts, hw.device_memory, run, sized)
+                priced.append(Candidate(sized, need, _why(sized), cost))
+        if priced:
+            per_layout.append(priced)
+    if not per_layout:
         raise PlanError(
-            f"global batch {batch.global_batch} with micro-batches of {batch.micro_batch_size} splits over "
-            f"no layout of {hw.devices} devices: make it a multiple of {hw.devices * batch.micro_batch_size} "
-            "(or of a data-parallel degree that divides the devices)."
+            f"global batch {workload.global_batch_size} splits over no layout of {hw.devices} devices: make "
+            f"it a multiple of a data-parallel degree that divides the devices (e.g. {hw.devices})."
         )
     for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
-        fitting = sorted((c for c in priced if c.memory.fraction <= limit), key=lambda c: c.cost.step)
-        if fitting:
+        best = [
+            min(fits, key=lambda c: c.cost.step)
+            for fits in ([c for c in priced if c.memory.fraction <= limit] for priced in per_layout)
+            if fits
+        ]
+        if best:
             break
     else:
-        raise _nothing_fits(facts, hw, workload, priced)
-    winner = fitting[0]
+        raise _nothing_fits(
+            facts, hw, dataclasses.replace(workload, micro_batch_size=sizes[0]), per_layout[0]
+        )
+    fastest = min(c.cost.step for c in best)
+    winner = next(c for c in best if c.cost.step <= fastest * (1 + plan_speed.SAME_SPEED))
     runners_up = tuple(
         dataclasses.replace(c, why=f"{c.cost.step / winner.cost.step - 1:+.0%} step time: " + c.why)
-        for c in fitting[1:5]
+        for c in sorted((c for c in best if c is not winner), key=lambda c: c.cost.step)[:4]
     )
-    reasons = _reasons(facts, hw, workload, winner, by_speed=len(fitting))
+    chosen = dataclasses.replace(workload, micro_batch_size=winner.cost.micro_batch_size)
+    reasons = _reasons(facts, hw, chosen, winner, by_speed=len(best))
     return Plan(
-        _as_run(winner.config, workload),
+        _as_run(winner.config, chosen),
         winner.memory,
         reasons,
         runners_up,
         hw,
-        workload,
+        chosen,
         facts,
         winner.cost,
         spec,
@@ -261,6 +278,10 @@ def _ranked_layouts(facts: ModelFacts, hw: Hardware, workload: Workload) -> list
             order += [(tp, pp, data) for data in ("ddp", "zero2", "zero3")]
     # last resort: every shard in host memory, each step copying over PCIe and stepping on the CPU
     order.append((1, 1, "zero3_offload"))
+    if not workload.zero:  # plain data parallelism only: ZeRO-1 beside a pipeline becomes DDP
+        order = [
+            (tp, pp, "ddp" if data == "zero1" else data) for tp, pp, data in order if data in ("ddp", "zero1")
+        ]
     configs: list[ParallelismConfig] = []
     for tp, pp, data in order:
         config = _config(hw, tp, pp, data)
@@ -434,9 +455,9 @@ def _reasons(
         f"device ({winner.memory.fraction:.0%}), {which}"
     )
     if winner.cost is not None:
-        micro_steps = workload.global_batch_size // (winner.config.dp_size * (workload.micro_batch_size or 1))
+        micro_steps = winner.cost.micro_steps
         reasons.append(
-            f"global batch {workload.global_batch_size} = micro-batch {workload.micro_batch_size or 1} x "
+            f"global batch {workload.global_batch_size} = micro-batch {winner.cost.micro_batch_size} x "
             f"{micro_steps} micro-steps x dp {winner.config.dp_size}"
             + ("" if winner.config.pp_size > 1 else f" (gradient_accumulation_steps={micro_steps})")
         )
