@@ -1,0 +1,147 @@
+"""The planner's cost-ranked choice (a global batch given) on runs whose authors published their layout:
+Megatron-LM's ten GPT models (Narayanan et al. 2021, Table 1), Llama-3.1-8B and 405B, nanoGPT's GPT-2.
+"Within one step" of a published layout: every degree (tp, pp, data-parallel) within a factor of 2 and the
+same families of parallelism. Their throughput, at their layouts, is checked in tests/test_cost_model.py.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from test_cost_model import MEGATRON_TABLE_1, SEQ, VOCAB, gpt
+from tiny_gpt import gpt_model, llama_model
+
+from unison import planner
+from unison.cost_model import step_cost
+from unison.plan_speed import SAME_SPEED, device_spec
+from unison.planner import Hardware, Workload, parse_memory
+
+A100_NODE = 8
+
+
+def megatron_facts(layers: int, hidden: int, heads: int) -> planner.ModelFacts:
+    shape = gpt(layers, hidden)
+    block = 12 * hidden**2 + 13 * hidden
+    shape = type(shape)(
+        shape.parameters,
+        shape.parameters,
+        blocks="transformer.h",
+        layers=layers,
+        hidden=hidden,
+        vocab=VOCAB,
+        largest_unit=VOCAB * hidden,
+        block_linear_outputs=12 * hidden,
+        block_parameters=block,
+    )
+    return planner.ModelFacts(shape, layers, block, heads, heads, "transformer.wte", VOCAB * hidden)
+
+
+HEADS = {
+    1.7: 24,
+    3.6: 32,
+    7.5: 32,
+    18.4: 48,
+    39.1: 64,
+    76.1: 80,
+    145.6: 96,
+    310.1: 128,
+    529.6: 128,
+    1008.0: 160,
+}
+
+
+def degrees(config) -> tuple[int, int, int]:
+    return config.tp_size, config.pp_size, config.dp_size
+
+
+def within_one_step(chosen: tuple[int, int, int], published: tuple[int, int, int]) -> bool:
+    """Each degree within a factor of 2, and a dimension used (> 1) in one used in the other."""
+    return all(p / 2 <= c <= p * 2 and (c > 1) == (p > 1) for c, p in zip(chosen, published))
+
+
+def plan_megatron(row, zero: bool) -> tuple[planner.Plan, tuple[int, int, int]]:
+    billions, layers, hidden, tp, pp, gpus, batch, _ = row
+    hardware = Hardware(gpus, parse_memory("80GB"), gpus // A100_NODE, "nvlink", "infiniband")
+    # fp16 mixed precision over fp32 master weights with full recomputation, as the paper trained them
+    workload = Workload("bf16-mixed", None, SEQ, True, global_batch_size=batch, zero=zero)
+    return planner.plan_for(
+        megatron_facts(layers, hidden, HEADS[billions]), hardware, workload, "a100-80gb"
+    ), (
+        tp,
+        pp,
+        gpus // (tp * pp),
+    )
+
+
+@pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=[f"{row[0]}B" for row in MEGATRON_TABLE_1])
+def test_megatron_table_1_layouts_with_the_parallelism_megatron_had(row):
+    """Megatron-LM in 2021 had TP, PP and plain data parallelism (no ZeRO): given the same, the planner
+    chooses their layout or one step from it."""
+    result, published = plan_megatron(row, zero=False)
+    assert not result.config.zero_stage
+    if row[0] == 3.6:
+        # the one disagreement (docs/planner.md): DDP fits (71% of a device) and is predicted within 2% of
+        # TP 2 x DP 32, so the simpler layout wins the tie; TP 2 is the runner-up, at that speed
+        assert degrees(result.config) == (1, 1, 64)
+        runner_up = result.runners_up[0]
+        assert degrees(runner_up.config) == published
+        assert abs(runner_up.cost.step / result.cost.step - 1) <= SAME_SPEED
+        return
+    assert within_one_step(degrees(result.config), published), (result.config.describe(), published)
+
+
+@pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=[f"{row[0]}B" for row in MEGATRON_TABLE_1])
+def test_megatron_table_1_with_zero_the_planner_never_picks_what_it_predicts_slower(row):
+    """With ZeRO allowed the planner may leave the published layout (docs/planner.md says where and why),
+    but only for one it predicts at least as fast, and the published layout is among what it priced."""
+    result, published = plan_megatron(row, zero=True)
+    billions, layers, hidden, tp, pp, gpus, batch, _ = row
+    config = planner.ParallelismConfig(tp_size=tp, pp_size=pp, dp_replicate_size=gpus // (tp * pp)).validate(
+        gpus
+    )
+    hardware = result.hardware
+    theirs = step_cost(
+        result.model.shape,
+        config,
+        device_spec(hardware, "a100-80gb"),
+        A100_NODE,
+        planner.Batch(batch, SEQ, 1, True),
+    )
+    assert result.cost.step <= theirs.step * 1.03
+
+
+@functools.cache
+def llama(name: str) -> planner.ModelFacts:
+    with torch.device("meta"):
+        return planner.model_facts(getattr(llama_model, name)())
+
+
+def test_llama_3_1_8b_on_8_h100_is_fsdp_over_the_node():
+    """torchtitan's Llama-3.1-8B recipe: FSDP over 8 H100s, one sequence of 8,192 per GPU per step."""
+    hardware = Hardware(8, parse_memory("80GB"))
+    result = planner.plan_for(
+        llama("llama_3_1_8b"), hardware, Workload("bf16-mixed", None, 8192, global_batch_size=8), "h100"
+    )
+    assert (result.config.dp_shard_size, result.config.zero_stage, result.config.tp_size) == (8, 3, 1)
+
+
+def test_llama_3_1_405b_on_16384_h100_is_tp8_pp_dp_as_meta_trained_it():
+    """Llama 3 paper, Table 4: 16,384 H100s as TP 8 x PP 16 x DP 128, sequences of 8,192, 2,048 per step."""
+    hardware = Hardware(16384, parse_memory("80GB"), 2048, "nvlink", "infiniband")
+    workload = Workload("bf16-mixed", 1, 8192, True, global_batch_size=2048)
+    result = planner.plan_for(llama("llama_3_1_405b"), hardware, workload, "h100")
+    assert within_one_step(degrees(result.config), (8, 16, 128)), result.config.describe()
+
+
+def test_nanogpt_gpt2_124m_on_8_a100_is_ddp():
+    """nanoGPT trains GPT-2 124M with DDP over 8 A100 40GB: 480 sequences of 1,024 per step."""
+    with torch.device("meta"):
+        facts = planner.model_facts(gpt_model.gpt2_124m())
+    hardware = Hardware(8, parse_memory("40GB"))
+    result = planner.plan_for(
+        facts, hardware, Workload("bf16-mixed", None, 1024, global_batch_size=480), "a100-40gb"
+    )
+    assert (result.config.dp_replicate_size, result.config.dp_shard_size, result.config.tp_size) == (8, 1, 1)
+    assert result.cost.micro_batch_size * result.cost.micro_steps * 8 == 480
