@@ -7,10 +7,12 @@ same families of parallelism. Their throughput, at their layouts, is checked in 
 from __future__ import annotations
 
 import functools
+import json
 
 import pytest
 import torch
 from test_cost_model import MEGATRON_TABLE_1, SEQ, VOCAB, gpt
+from test_planner import _run_cli
 from tiny_gpt import gpt_model, llama_model
 
 from unison import planner
@@ -145,3 +147,59 @@ def test_nanogpt_gpt2_124m_on_8_a100_is_ddp():
     )
     assert (result.config.dp_replicate_size, result.config.dp_shard_size, result.config.tp_size) == (8, 1, 1)
     assert result.cost.micro_batch_size * result.cost.micro_steps * 8 == 480
+
+
+# -- the command line ---------------------------------------------------------------------------------------
+def test_cli_prices_each_layout_and_prints_the_breakdown(capsys):
+    code = _run_cli(
+        "plan", "examples/llama/model.py:llama_3_1_8b", "--devices", "64", "--nodes", "8", "--device", "h100",
+        "--inter-node", "infiniband", "--precision", "bf16-mixed", "--seq-len", "8192",
+        "--global-batch-size", "512", "--activation-checkpointing",
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "predicted step (H100 SXM 80GB, 512 sequences of 8192 tokens" in out
+    table = out.split("predicted step")[1].split("runners-up:")[0]
+    header, chosen = table.splitlines()[1:3]
+    assert header.split()[:4] == ["layout", "step", "s", "compute"] and "tokens/s" in header
+    assert chosen.strip().startswith("chosen: dp_shard=64 (ZeRO-2)")
+    assert "global batch 512 = micro-batch" in out and "the fastest of the" in out
+
+
+def test_cli_json_carries_the_cost_and_the_device(capsys):
+    code = _run_cli(
+        "plan", "examples/gpt/model.py:gpt2_124m", "--devices", "8", "--device", "a100-40gb",
+        "--precision", "bf16-mixed", "--seq-len", "1024", "--global-batch-size", "480", "--mfu", "0.4",
+        "--json",
+    )  # fmt: skip
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    assert report["device"]["name"] == "A100 SXM 40GB" and report["device"]["peak_flops"] == 312e12
+    assert report["memory"]["device_memory"] == 40 * 2**30  # the device's memory when none is given
+    cost = report["cost"]
+    parts = cost["compute_seconds"] + cost["pipeline_imbalance_seconds"] + cost["bubble_seconds"]
+    assert cost["step_seconds"] == pytest.approx(parts + sum(cost["exposed_communication_seconds"].values()))
+    assert cost["tokens_per_second"] == pytest.approx(480 * 1024 / cost["step_seconds"])
+    # --mfu scales the compute: 0.4 of the peak times the width factor for h = 768
+    flops = (6 * report["model"]["parameters"] + 12 * 12 * 768 * 1024) * 480 * 1024
+    assert cost["compute_seconds"] == pytest.approx(flops / 8 / (312e12 * 0.4 * 768 / (768 + 640)))
+    assert all(r["cost"]["step_seconds"] >= cost["step_seconds"] * 0.97 for r in report["runners_up"])
+
+
+def test_cli_takes_a_device_the_table_lacks_and_refuses_bad_figures(capsys):
+    target = "examples/gpt/model.py:gpt2_124m"
+    args = ("--devices", "8", "--seq-len", "1024", "--global-batch-size", "64", "--json")
+    spec = "mygpu:peak=400e12,memory=48GB,nvlink=200e9,network=25e9"
+    assert _run_cli("plan", target, "--device", spec, *args) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["device"]["name"] == "mygpu" and report["memory"]["device_memory"] == 48 * 2**30
+    for flag, value, reason in (
+        ("--device", "mygpu:peak=400e12", "must give memory, nvlink, network too"),
+        ("--device", "h100:speed=2", "device field 'speed'"),
+        ("--mfu", "1.5", "not a share of the peak"),
+    ):
+        with pytest.raises(SystemExit) as caught:
+            _run_cli("plan", target, flag, value, *args)
+        assert caught.value.code == 2 and reason in capsys.readouterr().err
+    assert _run_cli("plan", target, "--devices", "8", "--global-batch-size", "64") == 2
+    assert "global_batch_size=64 needs seq_len" in capsys.readouterr().err

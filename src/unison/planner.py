@@ -196,6 +196,8 @@ def _plan_fastest(
             for fits in ([c for c in priced if c.memory.fraction <= limit] for priced in per_layout)
             if fits
         ]
+        if any(not c.config.offload for c in best):  # offload is the last resort, as in the guide's order
+            best = [c for c in best if not c.config.offload]
         if best:
             break
     else:

@@ -1,4 +1,5 @@
-"""`unison plan`: the parallel layout the guide's decision tree picks for a model (built on meta)."""
+"""`unison plan`: the parallel layout for a model (built on meta): the fastest that fits when the run's
+global batch is given (unison.cost_model), else the first that fits in the guide's order."""
 
 from __future__ import annotations
 
@@ -7,22 +8,35 @@ import dataclasses
 import sys
 
 from .. import memory, planner
+from ..cost_model import DEFAULT_EFFICIENCY, DEVICES, DeviceSpec, StepCost
 from ..hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware, parse_memory
+from ..plan_speed import parse_device_spec
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated) and pick the parallel layout for --devices N
 over --nodes M: the guide's decision tree (fits on one device: DDP; does not: ZeRO, PP or TP by how fast
 the devices are linked; largest layer does not: TP; across nodes: TP inside nodes, PP across them for
-huge models, HSDP over slow inter-node links), priced with unison's memory formulas. Prints the
-ParallelismConfig, the memory per device, the reasons and the runners-up. Rules: docs/planner.md.
+huge models, HSDP over slow inter-node links), priced with unison's memory formulas. With
+--global-batch-size and --seq-len it also predicts each fitting layout's step time (compute at --mfu of
+the --device's peak, each collective over the link it crosses, the pipeline bubble) and picks the
+fastest, trying micro-batch sizes unless --micro-batch-size is given. Prints the ParallelismConfig, the
+memory per device, the predicted step, the reasons and the runners-up. Rules: docs/planner.md.
 """
 
-EPILOG = """\
+EPILOG = (
+    """\
 TARGET is module:factory, as for `unison estimate-memory` (a callable taking no arguments that returns
 an nn.Module). Memory sizes are binary (80GB = 80 GiB). Example:
     unison plan examples/gpt/my_model.py:build --devices 16 --nodes 2 --device-memory 80GB \\
         --precision bf16-mixed --micro-batch-size 1 --seq-len 4096 --json
+    unison plan examples/gpt/my_model.py:build --devices 64 --nodes 8 --device h100 \\
+        --inter-node infiniband --precision bf16-mixed --seq-len 4096 --global-batch-size 512
+Devices known to --device: """
+    + ", ".join(DEVICES)
+    + """ (docs/planner.md: their figures); another is
+NAME:peak=FLOP/s,memory=SIZE,nvlink=BYTES/s,network=BYTES/s.
 """
+)
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:
@@ -39,9 +53,17 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--device-memory",
         type=_memory,
-        default="80GB",
+        default=None,
         metavar="SIZE",
-        help="memory per device (default 80GB)",
+        help="memory per device (default: the --device's, else 80GB)",
+    )
+    parser.add_argument(
+        "--device",
+        type=_device,
+        default=None,
+        metavar="NAME",
+        help=f"the accelerator, for its peak FLOP/s and links: {', '.join(DEVICES)} or "
+        "NAME:peak=...,memory=...,nvlink=...,network=... (default h100 when a step is priced)",
     )
     parser.add_argument(
         "--interconnect",
@@ -81,7 +103,26 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument(
         "--no-tensor-parallel", action="store_true", help="leave out TP layouts (model without a TP plan)"
     )
-    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes)")
+    parser.add_argument(
+        "--global-batch-size",
+        type=_positive,
+        metavar="G",
+        help="sequences per optimizer step over all devices: price each layout's step and pick the fastest "
+        "(needs --seq-len)",
+    )
+    parser.add_argument(
+        "--mfu",
+        type=_fraction,
+        default=DEFAULT_EFFICIENCY,
+        metavar="F",
+        help=f"share of the device's peak a wide model's step reaches (default {DEFAULT_EFFICIENCY})",
+    )
+    parser.add_argument(
+        "--no-zero",
+        action="store_true",
+        help="leave out layouts that shard over the data-parallel ranks (ZeRO-1/2/3, HSDP)",
+    )
+    parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     parser.set_defaults(run=run)
 
 
@@ -93,6 +134,23 @@ def _positive(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"{value} is not a positive integer")
     return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value} is not a share of the peak: give one in (0, 1], e.g. 0.4")
+    return value
+
+
+def _device(text: str) -> DeviceSpec:
+    try:
+        return parse_device_spec(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _memory(text: str) -> int:
@@ -122,7 +180,8 @@ def _link(links: dict[str, bool], flag: str):
 
 def run(args: argparse.Namespace) -> int:
     try:
-        hardware = Hardware(args.devices, args.device_memory, args.nodes, args.interconnect, args.inter_node)
+        device_memory = args.device_memory or (args.device.memory if args.device else parse_memory("80GB"))
+        hardware = Hardware(args.devices, device_memory, args.nodes, args.interconnect, args.inter_node)
         workload = planner.Workload(
             args.precision,
             args.micro_batch_size,
@@ -130,9 +189,11 @@ def run(args: argparse.Namespace) -> int:
             args.activation_checkpointing,
             pipeline=not args.no_pipeline,
             tensor_parallel=not args.no_tensor_parallel,
+            global_batch_size=args.global_batch_size,
+            zero=not args.no_zero,
         )
         model = memory.build_on_meta(args.target)
-        plan = planner.plan_for(planner.model_facts(model), hardware, workload)
+        plan = planner.plan_for(planner.model_facts(model), hardware, workload, args.device, args.mfu)
     except ValueError as error:  # TargetError, PlanError and bad hardware are all ValueErrors
         sys.stderr.write(f"unison plan: error: {error}\n")
         return 2
@@ -169,14 +230,44 @@ def format_plan(target: str, plan: planner.Plan) -> str:
         "reasons:",
         *(f"  - {reason}" for reason in plan.reasons),
         "",
-        "runners-up:",
-        _memory_header(),
     ]
+    if plan.cost is not None:
+        lines += [
+            f"predicted step ({plan.device.name}, {plan.workload.global_batch_size} sequences of "
+            f"{workload.seq_len} tokens; docs/planner.md: the model and its limits):",
+            *format_costs(
+                [("chosen: " + plan.config.describe().split(", activation")[0], plan.cost)]
+                + [(c.config.describe(), c.cost) for c in plan.runners_up if c.cost is not None]
+            ),
+            "",
+        ]
+    lines += ["runners-up:", _memory_header()]
     for candidate in plan.runners_up:
         lines += [_memory_row(candidate.config.describe(), candidate.memory), f"      {candidate.why}"]
     if not plan.runners_up:
         lines[-1] = "  none: one device has one layout"
     return "\n".join(lines)
+
+
+def format_costs(rows: list[tuple[str, StepCost]]) -> list[str]:
+    """A line per layout: the step and its parts in seconds (exposed communication by kind), tokens/s, MFU."""
+    kinds = sorted({kind for _, cost in rows for kind, seconds in cost.exposed.items() if seconds > 0})
+    widths = [max(9, len(kind) + 2) for kind in kinds]
+    label_width = max(len(label) for label, _ in rows) + 2
+    header = (
+        f"  {'layout':<{label_width}}{'step s':>9}{'compute':>9}{'pp idle':>9}"
+        + "".join(f"{kind:>{width}}" for kind, width in zip(kinds, widths))
+        + f"{'tokens/s':>13}{'MFU':>7}"
+    )
+    lines = [header]
+    for label, cost in rows:
+        lines.append(
+            f"  {label:<{label_width}}{cost.step:>9.3g}{cost.compute:>9.3g}"
+            + f"{cost.imbalance + cost.bubble:>9.3g}"
+            + "".join(f"{cost.exposed.get(kind, 0.0):>{width}.3g}" for kind, width in zip(kinds, widths))
+            + f"{cost.tokens_per_second:>13,.0f}{cost.mfu:>7.1%}"
+        )
+    return lines
 
 
 def _memory_header() -> str:
