@@ -24,7 +24,7 @@ from typing import Any
 import torch.nn as nn
 
 from unison import memory, plan_speed
-from unison.cost_model import DEFAULT_EFFICIENCY, Batch, DeviceSpec, StepCost, step_cost
+from unison.cost_model import DEFAULT_EFFICIENCY, Batch, DeviceSpec, StepCost, stages_per_device, step_cost
 from unison.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
 from unison.hardware import detect_hardware as detect_hardware
 from unison.hardware import link_from_topology as link_from_topology
@@ -351,10 +351,12 @@ def _why(config: ParallelismConfig) -> str:
             "forward and backward, so it needs the fast intra-node link"
         )
     if config.pp_size > 1:
-        p, m = config.pp_size, config.pp_microbatches
+        p, m, v = config.pp_size, config.pp_microbatches, stages_per_device(config)
+        schedule = "1F1B" if v == 1 else f"interleaved 1F1B ({v} stages per device)"
+        formula = "(p-1)/(m+p-1)" if v == 1 else "(p-1)/(v·m+p-1)"
         parts.append(
-            f"PP {p}: stages pass only activations, point to point; 1F1B with {m} micro-batches, bubble "
-            f"(p-1)/(m+p-1) = {(p - 1) / (m + p - 1):.0%}"
+            f"PP {p}: stages pass only activations, point to point; {schedule} with {m} micro-batches, "
+            f"bubble {formula} = {(p - 1) / (v * m + p - 1):.0%}"
         )
     shard, stage, replicas = config.dp_shard_size, config.zero_stage, config.dp_replicate_size
     if stage and replicas > 1:
