@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -122,6 +123,10 @@ def test_resume_from_the_first_epochs_checkpoint_ends_as_the_uninterrupted_run(t
         result = subprocess.run(
             [sys.executable, str(EXAMPLE / "train.py"), *args, *extra],
             cwd=REPO_ROOT,
+            env={
+                **os.environ,
+                "OMP_NUM_THREADS": "1",
+            },  # as launch() runs it: 2 threads on a busy machine crawl
             capture_output=True,
             text=True,
             timeout=120,
@@ -148,3 +153,30 @@ def test_resume_from_the_first_epochs_checkpoint_ends_as_the_uninterrupted_run(t
     for name, tensor in torch.load(weights, weights_only=True).items():
         assert torch.equal(tensor, first_weights[name]), name
     assert "nothing to train: the run is at epoch 2 of --epochs 2" in train("--resume")
+
+
+def test_train_py_help_shows_every_default_and_a_zero_count_is_refused(monkeypatch, capsys):
+    """In-process (a subprocess would spend its time importing torch): train.py's own parse_args()."""
+    monkeypatch.setitem(sys.modules, "data", data_lib)  # train.py imports its neighbours by these names
+    monkeypatch.setitem(sys.modules, "model", model_lib)
+    train_lib = _load("train")
+    monkeypatch.setattr(sys, "argv", ["train.py"])
+    defaults = vars(train_lib.parse_args())
+    monkeypatch.setattr(sys, "argv", ["train.py", "--help"])
+    with pytest.raises(SystemExit) as stop:
+        train_lib.parse_args()
+    assert stop.value.code == 0
+    options = re.split(r"\n  (?=-)", capsys.readouterr().out.split("\noptions:\n", 1)[1])
+    assert len(options) == len(defaults) + 1  # and -h, --help
+    for option in options[1:]:
+        text = " ".join(option.split())  # argparse wraps lines
+        name = re.match(r"--([\w-]+)", text).group(1)
+        default = defaults[name.replace("-", "_")]
+        assert text.endswith(f"(default: {default})") if default is not False else "(default" not in text, (
+            text
+        )
+    monkeypatch.setattr(sys, "argv", ["train.py", "--eval-batch-size", "0"])
+    with pytest.raises(SystemExit) as stop:
+        train_lib.parse_args()
+    assert stop.value.code == 2
+    assert "--eval-batch-size 0: a count, so 1 or more" in capsys.readouterr().err

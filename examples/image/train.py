@@ -52,7 +52,12 @@ def parse_args() -> argparse.Namespace:
         default=10.0,
         help="seconds between progress lines when stderr is not a terminal (a terminal gets a tqdm bar)",
     )
-    return parser.parse_args()
+    args = parser.parse_args()
+    for name in ("epochs", "batch_size", "eval_batch_size", "channels"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} {getattr(args, name)}: a count, so 1 or more (e.g. {flag} 1)")
+    return args
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
