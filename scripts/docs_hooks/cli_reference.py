@@ -38,17 +38,12 @@ def _build_parser(config: MkDocsConfig) -> argparse.ArgumentParser:
     return build_parser()
 
 
-def subcommands(parser: argparse.ArgumentParser) -> dict[str, argparse.ArgumentParser]:
-    """Each subcommand's name and parser, in the order `unison --help` lists them."""
-    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    return dict(action.choices)
-
-
 def render(parser: argparse.ArgumentParser) -> str:
+    """Markdown for every subcommand of `parser`, in the order `unison --help` lists them."""
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     summaries = {choice.dest: choice.help for choice in action._choices_actions}
     sections = []
-    for name, sub in subcommands(parser).items():
+    for name, sub in action.choices.items():
         sections.append(f"## unison {name}\n")
         if summaries.get(name):
             sections.append(f"*{_text(summaries[name])}*\n")
@@ -75,14 +70,14 @@ def _row(action: argparse.Action, prog: str) -> str:
         value = f" {metavar}"
     spelled = ", ".join(f"`{name}{value}`" for name in names)
     help_text = (action.help or "") % dict(vars(action), prog=prog) if action.help else ""
-    return f"| {spelled.replace('|', '&#124;')} | {_text(help_text).replace('|', '&#124;')} |"
+    return f"| {spelled} | {_text(help_text)} |"  # a | inside `code` does not split a table cell
 
 
 def _text(text: str) -> str:
-    """Plain help text as markdown: HTML-escaped, on one line, `code` kept, emphasis characters escaped."""
+    """Plain help text as markdown: HTML-escaped, on one line, `code` kept, emphasis and table characters escaped."""
     parts = " ".join(html.escape(text, quote=False).split()).split("`")
     if len(parts) % 2 == 0:  # an unpaired backtick: no code spans at all
         parts = ["\\`".join(parts)]
     for i in range(0, len(parts), 2):
-        parts[i] = parts[i].replace("*", r"\*").replace("_", r"\_")
+        parts[i] = parts[i].replace("*", r"\*").replace("_", r"\_").replace("|", r"\|")
     return "`".join(parts)
