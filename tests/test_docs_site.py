@@ -67,12 +67,13 @@ def test_cli_reference_lists_every_subcommand_and_flag_of_the_parser(site: Path)
     for name, sub in subparsers.choices.items():
         section = sections[f"unison-{name}"]
         documented = set(re.findall(r"<code>(--?[\w-]+)", section))
-        flags = {flag for action in sub._actions if action.help != argparse.SUPPRESS for flag in action.option_strings}
+        shown = [action for action in sub._actions if action.help != argparse.SUPPRESS]
+        flags = {flag for action in shown for flag in action.option_strings}
         usage_flags = set(re.findall(r"\[(--?[\w-]+)", sub.format_usage()))
         assert documented == flags, f"unison {name}: documented {documented ^ flags} differ"
         assert usage_flags <= documented, name
-        for action in sub._actions:
-            if action.help and action.help != argparse.SUPPRESS:
+        for action in shown:
+            if action.help:
                 words = " ".join(html.escape(action.help.split("`")[0], quote=False).split()[:4])
                 assert words in section, f"unison {name} {action.option_strings}: {action.help!r}"
 

@@ -74,7 +74,7 @@ def _row(action: argparse.Action, prog: str) -> str:
 
 
 def _text(text: str) -> str:
-    """Plain help text as markdown: HTML-escaped, on one line, `code` kept, emphasis and table characters escaped."""
+    """Help text as markdown: HTML-escaped, on one line, `code` kept, emphasis and table pipes escaped."""
     parts = " ".join(html.escape(text, quote=False).split()).split("`")
     if len(parts) % 2 == 0:  # an unpaired backtick: no code spans at all
         parts = ["\\`".join(parts)]
