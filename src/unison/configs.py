@@ -53,19 +53,20 @@ class DataLoaderConfiguration:
 class GradientAccumulationPlugin:
     """How gradients accumulate over micro-batches (Accelerate's `GradientAccumulationPlugin`).
 
-    num_steps: micro-batches per optimizer step (Accelerator's gradient_accumulation_steps).
-    adjust_scheduler: in Accelerate, only a counter that silences torch's "scheduler before optimizer"
-        warning on micro-steps; unison's prepared scheduler steps once per real optimizer step either
-        way, so both values give the same learning rates (as they do in Accelerate).
-    sync_with_dataloader: the last batch of a loader ends the accumulation window (a window it cuts short
-        is the mean over its own micro-batches); False: windows run on across the loader's end.
-    sync_each_batch: reduce gradients on every micro-batch instead of only the window's last; the
-        optimizer still steps once per window, with the same numbers (up to the order of the sums).
-        None (the default) chooses by memory: True where FSDP2 shards gradients (ZeRO-2/3, HSDP, replicas
-        beside TP or PP), which otherwise keeps every parameter's unsharded gradient between
-        micro-batches (4 bytes per parameter, not 4/N: ZeRO-2/3's saving gone while accumulating), at
-        the cost of one reduce-scatter per micro-batch; False under DDP and ZeRO-1, whose gradients are
-        whole either way. Accelerate's default is False everywhere.
+    Attributes:
+        num_steps: micro-batches per optimizer step (Accelerator's gradient_accumulation_steps).
+        adjust_scheduler: in Accelerate, only a counter that silences torch's "scheduler before optimizer"
+            warning on micro-steps; unison's prepared scheduler steps once per real optimizer step either
+            way, so both values give the same learning rates (as they do in Accelerate).
+        sync_with_dataloader: the last batch of a loader ends the accumulation window (a window it cuts short
+            is the mean over its own micro-batches); False: windows run on across the loader's end.
+        sync_each_batch: reduce gradients on every micro-batch instead of only the window's last; the
+            optimizer still steps once per window, with the same numbers (up to the order of the sums).
+            None (the default) chooses by memory: True where FSDP2 shards gradients (ZeRO-2/3, HSDP, replicas
+            beside TP or PP), which otherwise keeps every parameter's unsharded gradient between
+            micro-batches (4 bytes per parameter, not 4/N: ZeRO-2/3's saving gone while accumulating), at
+            the cost of one reduce-scatter per micro-batch; False under DDP and ZeRO-1, whose gradients are
+            whole either way. Accelerate's default is False everywhere.
     """
 
     num_steps: int | None = None
