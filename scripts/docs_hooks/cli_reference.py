@@ -42,7 +42,7 @@ def render(parser: argparse.ArgumentParser) -> str:
     """Markdown for every subcommand of `parser`, in the order `unison --help` lists them."""
     action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     summaries = {choice.dest: choice.help for choice in action._choices_actions}
-    sections = []
+    sections = [f"```text\n{parser.format_usage().strip()}\n```\n"]
     for name, sub in action.choices.items():
         sections.append(f"## unison {name}\n")
         if summaries.get(name):
