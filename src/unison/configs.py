@@ -17,26 +17,27 @@ from typing import Any
 class DataLoaderConfiguration:
     """How `prepare()` shards data loaders (Accelerate's `DataLoaderConfiguration`).
 
-    split_batches: the loader's batch size is the global one, cut into a share per process (it must be
-        a multiple of the process count); False: each process reads batches of the loader's size.
-    dispatch_batches: process 0 reads and sends each process its share; None: True for an
-        IterableDataset on several processes, else False.
-    even_batches: the last round is topped up from the data's start so every process gets a batch
-        (gather_for_metrics drops the top-up); False: processes may get fewer batches.
-    use_seedable_sampler: False (the default, as in Accelerate): a shuffled loader yields the order the
-        user's unprepared loader gives in one process, drawn from the same generators (the global RNG or
-        the loader's generator, process 0's state on every process; see docs/data-order.md). True: each
-        epoch's order is a function of (seed, epoch) alone and iterating never draws from the global RNG.
-        Both give the same samples per global step on any number of processes and resume exactly.
-    data_seed: the seed of the use_seedable_sampler order (setting it implies use_seedable_sampler; None:
-        the loader's generator's seed, else torch's initial seed).
-    non_blocking: copy batches to the GPU without waiting, from pinned memory (the loader pins its
-        batches); None (the default; Accelerate's is False) means True on a GPU: a blocking copy stalls
-        the Python thread until the batch has arrived, while a copy from pinned memory is queued on the
-        stream the model's kernels run on, so it overlaps the launch of the step and is ordered before
-        them. No effect on the CPU. False: blocking copies, and pinned memory only if the loader asks.
-    use_stateful_dataloader: prepared loaders already save and restore their position mid-epoch through
-        state_dict()/load_state_dict() (and save_state/load_state), so True needs no torchdata.
+    Attributes:
+        split_batches: the loader's batch size is the global one, cut into a share per process (it must be
+            a multiple of the process count); False: each process reads batches of the loader's size.
+        dispatch_batches: process 0 reads and sends each process its share; None: True for an
+            IterableDataset on several processes, else False.
+        even_batches: the last round is topped up from the data's start so every process gets a batch
+            (gather_for_metrics drops the top-up); False: processes may get fewer batches.
+        use_seedable_sampler: False (the default, as in Accelerate): a shuffled loader yields the order the
+            user's unprepared loader gives in one process, drawn from the same generators (the global RNG or
+            the loader's generator, process 0's state on every process; see docs/data-order.md). True: each
+            epoch's order is a function of (seed, epoch) alone and iterating never draws from the global RNG.
+            Both give the same samples per global step on any number of processes and resume exactly.
+        data_seed: the seed of the use_seedable_sampler order (setting it implies use_seedable_sampler; None:
+            the loader's generator's seed, else torch's initial seed).
+        non_blocking: copy batches to the GPU without waiting, from pinned memory (the loader pins its
+            batches); None (the default; Accelerate's is False) means True on a GPU: a blocking copy stalls
+            the Python thread until the batch has arrived, while a copy from pinned memory is queued on the
+            stream the model's kernels run on, so it overlaps the launch of the step and is ordered before
+            them. No effect on the CPU. False: blocking copies, and pinned memory only if the loader asks.
+        use_stateful_dataloader: prepared loaders already save and restore their position mid-epoch through
+            state_dict()/load_state_dict() (and save_state/load_state), so True needs no torchdata.
     """
 
     split_batches: bool = False
@@ -52,19 +53,20 @@ class DataLoaderConfiguration:
 class GradientAccumulationPlugin:
     """How gradients accumulate over micro-batches (Accelerate's `GradientAccumulationPlugin`).
 
-    num_steps: micro-batches per optimizer step (Accelerator's gradient_accumulation_steps).
-    adjust_scheduler: in Accelerate, only a counter that silences torch's "scheduler before optimizer"
-        warning on micro-steps; unison's prepared scheduler steps once per real optimizer step either
-        way, so both values give the same learning rates (as they do in Accelerate).
-    sync_with_dataloader: the last batch of a loader ends the accumulation window (a window it cuts short
-        is the mean over its own micro-batches); False: windows run on across the loader's end.
-    sync_each_batch: reduce gradients on every micro-batch instead of only the window's last; the
-        optimizer still steps once per window, with the same numbers (up to the order of the sums).
-        None (the default) chooses by memory: True where FSDP2 shards gradients (ZeRO-2/3, HSDP, replicas
-        beside TP or PP), which otherwise keeps every parameter's unsharded gradient between
-        micro-batches (4 bytes per parameter, not 4/N: ZeRO-2/3's saving gone while accumulating), at
-        the cost of one reduce-scatter per micro-batch; False under DDP and ZeRO-1, whose gradients are
-        whole either way. Accelerate's default is False everywhere.
+    Attributes:
+        num_steps: micro-batches per optimizer step (Accelerator's gradient_accumulation_steps).
+        adjust_scheduler: in Accelerate, only a counter that silences torch's "scheduler before optimizer"
+            warning on micro-steps; unison's prepared scheduler steps once per real optimizer step either
+            way, so both values give the same learning rates (as they do in Accelerate).
+        sync_with_dataloader: the last batch of a loader ends the accumulation window (a window it cuts short
+            is the mean over its own micro-batches); False: windows run on across the loader's end.
+        sync_each_batch: reduce gradients on every micro-batch instead of only the window's last; the
+            optimizer still steps once per window, with the same numbers (up to the order of the sums).
+            None (the default) chooses by memory: True where FSDP2 shards gradients (ZeRO-2/3, HSDP, replicas
+            beside TP or PP), which otherwise keeps every parameter's unsharded gradient between
+            micro-batches (4 bytes per parameter, not 4/N: ZeRO-2/3's saving gone while accumulating), at
+            the cost of one reduce-scatter per micro-batch; False under DDP and ZeRO-1, whose gradients are
+            whole either way. Accelerate's default is False everywhere.
     """
 
     num_steps: int | None = None

@@ -115,15 +115,18 @@ _PROFILER_ACTIVITIES = ("cpu", "cuda", "xpu", "mtia", "hpu")  # Accelerate's nam
 class ProfileKwargs(_KwargsHandler):
     """Options for torch.profiler.profile, used by `Accelerator.profile()` (Accelerate's names and defaults).
 
-    activities: which of "cpu", "cuda", "xpu", "mtia", "hpu" to record (None: torch's default, the CPU and
-        the GPU when there is one); a name this torch has no ProfilerActivity for is refused here.
-    schedule_option: torch.profiler.schedule's arguments (wait, warmup, active, repeat, skip_first); the loop
-        then calls `prof.step()` each step, and `on_trace_ready(prof)` receives each recorded cycle (e.g.
-        torch.profiler.tensorboard_trace_handler(dir)).
-    record_shapes, profile_memory, with_stack, with_flops, with_modules: torch.profiler.profile's.
-    output_trace_dir: at the end of profile(), each process writes the Chrome trace of what the profiler
-        holds then (with a schedule: the cycle in progress) to output_trace_dir/profile_<process index>.json,
-        Accelerate's file name; None writes nothing.
+    Attributes:
+        activities: which of "cpu", "cuda", "xpu", "mtia", "hpu" to record (None: torch's default, the
+            CPU and the GPU when there is one); a name this torch has no ProfilerActivity for is refused
+            here.
+        schedule_option: torch.profiler.schedule's arguments (wait, warmup, active, repeat, skip_first);
+            the loop then calls `prof.step()` each step, and `on_trace_ready(prof)` receives each recorded
+            cycle (e.g. torch.profiler.tensorboard_trace_handler(dir)).
+        record_shapes: torch.profiler.profile's, as are profile_memory, with_stack, with_flops and
+            with_modules.
+        output_trace_dir: at the end of profile(), each process writes the Chrome trace of what the
+            profiler holds then (with a schedule: the cycle in progress) to
+            output_trace_dir/profile_<process index>.json, Accelerate's file name; None writes nothing.
     """
 
     activities: list[str] | None = None

@@ -66,13 +66,18 @@ def notebook_launcher(
 ) -> dict[int, Any]:
     """Run `function(*args)` in `num_processes` processes on this node; return {rank: its return value}.
 
-    num_processes: None means one per GPU, or without GPUs a few CPU processes (see
-    `unison launch --nproc-per-node auto`). With 1, the function runs here, in this process.
-    mixed_precision: the default for `Accelerator()` inside the function (exported as
-    UNISON_MIXED_PRECISION). use_port: the rendezvous port on `master_addr`; None picks a free one
-    (single node). Several machines: the same call on each with num_nodes, node_rank, master_addr and
-    use_port set. cpu: run every process on the CPU even if GPUs are present (exported as UNISON_CPU).
-    Raises RuntimeError naming the rank that failed first and showing its traceback.
+    Several machines: the same call on each, with num_nodes, node_rank, master_addr and use_port set.
+
+    Args:
+        num_processes: None means one per GPU, or without GPUs a few CPU processes (see
+            `unison launch --nproc-per-node auto`). With 1, the function runs here, in this process.
+        mixed_precision: the default for `Accelerator()` inside the function (exported as
+            UNISON_MIXED_PRECISION).
+        use_port: the rendezvous port on `master_addr`; None picks a free one (single node).
+        cpu: run every process on the CPU even if GPUs are present (exported as UNISON_CPU).
+
+    Raises:
+        RuntimeError: naming the rank that failed first, with its traceback.
     """
     mixed_precision = validate_mixed_precision(mixed_precision)
     if PartialState._shared_state or AcceleratorState._shared_state:

@@ -60,31 +60,32 @@ class ParallelismConfig:
     `ParallelismConfig(tp_size=2)` on 8 processes is 4 replicas of a 2-way tensor-parallel model (kept
     by FSDP2 as ZeRO-2 over the replicas: DDP cannot hold DTensor parameters).
 
-    zero_stage: what the dp_shard dimension shards (1: optimizer state, 2: + gradients, 3: + parameters);
-        None with dp_shard_size > 1 means 3 (FSDP's full sharding, as in Accelerate and torchtitan).
-    pp_schedule: "gpipe", "1f1b" or "interleaved" (several stages per rank).
-    pp_microbatches: micro-batches per step for the pipeline; None lets the strategy pick.
-    tp_plan: module name (pattern) -> parallel style, or None for the built-in plans.
-    pp_split_points: module names where a new pipeline stage begins, or None to balance by parameters.
-    zero_blocks: qualified name of the block list that ZeRO-2/3 shard one block at a time (e.g.
-        "transformer.h"), or block class names (e.g. "GPT2Block,LlamaDecoderLayer": every module of those
-        classes, Accelerate's transformer_cls_names_to_wrap), or None to use the model's largest
-        ModuleList/Sequential of one class.
-    sequence_parallel: with tensor parallel, also split norms and the residual stream over the sequence
-        (activation memory / tp_size there; each all-reduce becomes a reduce-scatter + all-gather).
-    loss_parallel: with tensor parallel, compute the cross-entropy on vocabulary-sharded logits without
-        gathering them (the logits' memory / tp_size); the loss must be computed by the model's forward
-        or in `Accelerator.forward_backward`, where unison enters torch's loss_parallel context.
-    offload: with ZeRO-2/3, keep parameters, gradients and optimizer state in host memory (FSDP2's
-        CPUOffloadPolicy, the guide's ZeRO-Offload): the device holds only the blocks being computed and
-        the activations; each step copies shards in and gradients out over PCIe and the optimizer steps
-        on the CPU. For models that fit no other way (the planner proposes it only then).
-    legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
-        Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
-        threads, no overloaded GPU 0; see docs/data-parallel.md).
-    activation_checkpointing: "full", "selective" (op-level), "selective:K" (every K-th block) or None:
-        which blocks recompute their activations in backward (parallel/checkpointing.py); the blocks are
-        `zero_blocks` when given, else the found block list.
+    Attributes:
+        zero_stage: what the dp_shard dimension shards (1: optimizer state, 2: + gradients, 3: + parameters);
+            None with dp_shard_size > 1 means 3 (FSDP's full sharding, as in Accelerate and torchtitan).
+        pp_schedule: "gpipe", "1f1b" or "interleaved" (several stages per rank).
+        pp_microbatches: micro-batches per step for the pipeline; None lets the strategy pick.
+        tp_plan: module name (pattern) -> parallel style, or None for the built-in plans.
+        pp_split_points: module names where a new pipeline stage begins, or None to balance by parameters.
+        zero_blocks: qualified name of the block list that ZeRO-2/3 shard one block at a time (e.g.
+            "transformer.h"), or block class names (e.g. "GPT2Block,LlamaDecoderLayer": every module of those
+            classes, Accelerate's transformer_cls_names_to_wrap), or None to use the model's largest
+            ModuleList/Sequential of one class.
+        sequence_parallel: with tensor parallel, also split norms and the residual stream over the sequence
+            (activation memory / tp_size there; each all-reduce becomes a reduce-scatter + all-gather).
+        loss_parallel: with tensor parallel, compute the cross-entropy on vocabulary-sharded logits without
+            gathering them (the logits' memory / tp_size); the loss must be computed by the model's forward
+            or in `Accelerator.forward_backward`, where unison enters torch's loss_parallel context.
+        offload: with ZeRO-2/3, keep parameters, gradients and optimizer state in host memory (FSDP2's
+            CPUOffloadPolicy, the guide's ZeRO-Offload): the device holds only the blocks being computed and
+            the activations; each step copies shards in and gradients out over PCIe and the optimizer steps
+            on the CPU. For models that fit no other way (the planner proposes it only then).
+        legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
+            Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
+            threads, no overloaded GPU 0; see docs/data-parallel.md).
+        activation_checkpointing: "full", "selective" (op-level), "selective:K" (every K-th block) or None:
+            which blocks recompute their activations in backward (parallel/checkpointing.py); the blocks are
+            `zero_blocks` when given, else the found block list.
     """
 
     dp_replicate_size: int | None = None
