@@ -38,6 +38,29 @@ _HARMLESS = {
     "dynamo_use_regional_compilation": "the model is always compiled block by block",
     "fsdp_offload_params_device": "offloading goes to the CPU",
 }
+_NO_OP = {  # the values `accelerate config` writes that ask for nothing: not worth a warning
+    "compute_environment": "LOCAL_MACHINE",
+    "downcast_bf16": "no",
+    "main_training_function": "main",
+    "same_network": True,
+    "enable_cpu_affinity": False,
+    "gpu_ids": "all",
+    "use_ipex": False,
+    "tpu_use_cluster": False,
+    "tpu_use_sudo": False,
+    "deepspeed_multinode_launcher": "standard",
+    "dynamo_use_fullgraph": False,
+    "dynamo_use_dynamic": False,
+    "dynamo_use_regional_compilation": False,
+    "fsdp_cpu_ram_efficient_loading": False,
+    "fsdp_use_orig_params": True,
+    "zero3_init_flag": False,
+}
+_LOADING_ONLY = {  # refused as flags, but they only change how the model is built: same numbers without
+    "fsdp_cpu_ram_efficient_loading": "every process builds the model: more host memory, same numbers",
+    "fsdp_use_orig_params": "FSDP2 always keeps the original parameters: same numbers",
+    "zero3_init_flag": "every process builds the whole model: more host memory, same numbers",
+}
 _REFUSED = {
     "fp8_config": "FP8 training changes the numerics and unison has no FP8 path",
     "megatron_lm_config": "Megatron-LM is not supported: use --parallelism tp_size=..,pp_size=..",
@@ -70,7 +93,7 @@ def map_accelerate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], li
     """The mapping itself (see read_accelerate_yaml); `where` names the file in messages."""
     values: dict[str, Any] = {}
     warnings: list[str] = []
-    data = {key: value for key, value in data.items() if value not in (None, {}, [])}
+    data = {key: value for key, value in data.items() if not _says_nothing(key, value)}
     for key, why in _REFUSED.items():
         if key in data:
             raise AccelerateConfigError(f"{where}: {key}: {why}. Remove it to train without it.")
@@ -85,7 +108,7 @@ def map_accelerate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], li
         elif address and port:  # c10d / etcd: one endpoint, ranks by arrival
             values["rdzv_endpoint"] = f"{address}:{port}"
     elif port is not None:
-        warnings.append(f"main_process_port ({port}): one node's rendezvous uses a free loopback port")
+        warnings.append(f"main_process_port: {port} (one node's rendezvous uses a free loopback port)")
     if "num_processes" in data:  # Accelerate counts every machine's processes together, as unison's flag
         values["num_processes"] = int(data.pop("num_processes"))
     if "use_cpu" in data:
@@ -99,8 +122,12 @@ def map_accelerate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], li
     _map_layout(data, values, warnings, where)
     for key in sorted(data):
         why = _HARMLESS.get(key) or ("TPUs are not supported" if key.startswith("tpu_") else "not read by unison")
-        warnings.append(f"{key} ({why})")
+        warnings.append(f"{key}: {data[key]} ({why})")
     return {key: value for key, value in values.items() if value is not None}, warnings
+
+
+def _says_nothing(key: str, value: Any) -> bool:
+    return value is None or value == {} or value == [] or (key in _NO_OP and value == _NO_OP[key])
 
 
 def _map_precision(value: Any, values: dict[str, Any], where: str) -> None:
@@ -115,13 +142,16 @@ def _map_precision(value: Any, values: dict[str, Any], where: str) -> None:
 
 
 def _map_dynamo(config: dict[str, Any], backend: Any, values: dict[str, Any], warnings: list[str]) -> None:
-    config = dict(config)
+    config = {key: value for key, value in config.items() if not _says_nothing(key, value)}
     backend = config.pop("dynamo_backend", backend)
     if backend is not None and str(backend).lower() != "no":
         values["dynamo_backend"] = str(backend).lower()
     if "dynamo_mode" in config:
         values["dynamo_mode"] = str(config.pop("dynamo_mode"))
-    warnings.extend(f"dynamo_config.{key} ({_HARMLESS.get(key, 'not read by unison')})" for key in config)
+    warnings.extend(
+        f"dynamo_config.{key}: {value} ({_HARMLESS.get(key, 'not read by unison')})"
+        for key, value in config.items()
+    )
 
 
 def _map_layout(data: dict[str, Any], values: dict[str, Any], warnings: list[str], where: str) -> None:
@@ -154,8 +184,11 @@ def _plugin_fields(
     warnings: list[str],
 ) -> None:
     for key, value in section.items():
-        if key not in flags:
-            warnings.append(f"{name}.{key} ({_HARMLESS.get(key, 'not read by unison')})")
+        if _says_nothing(key, value):
+            continue
+        if key not in flags or key in _LOADING_ONLY:
+            why = _LOADING_ONLY.get(key) or _HARMLESS.get(key, "not read by unison")
+            warnings.append(f"{name}.{key}: {value} ({why})")
         elif flags[key][1] == "bool":
             values[key] = value if isinstance(value, bool) else str(value).lower() in ("true", "1", "yes")
         else:

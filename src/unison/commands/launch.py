@@ -9,7 +9,7 @@ from ..launch_config import ConfigError
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from .plugin_flags import add_plugin_flags, plugin_from_flags
-from .launch_config_flags import add_config_flag, apply_config_file
+from .launch_config_flags import add_config_flag, apply_config_file, file_note
 
 DESCRIPTION = """\
 Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
@@ -229,12 +229,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    sources = None
     try:
         sources = apply_config_file(args)
-        options = options_from_args(args)
-    except (LaunchError, ConfigError) as error:
-        parser.error(str(error))  # exits with status 2, before any process started
-    try:
-        return launch(options, sources=sources)
-    except LaunchError as error:
-        parser.error(str(error))
+        return launch(options_from_args(args), sources=sources)
+    except (LaunchError, ConfigError) as error:  # exits with status 2, before any process started
+        parser.error(str(error) + (file_note(sources) if sources else ""))

@@ -4,6 +4,7 @@ no UNISON_* variable gave (unison.launch_config has the precedence)."""
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 from typing import Any
@@ -49,3 +50,15 @@ def _as_flag_value(key: str, value: Any) -> Any:
     if key == "timeout":
         return float(value)
     return value
+
+
+def file_note(sources: str) -> str:
+    """" (N settings from FILE; ...)" for an error that may be about a config file's settings; or ""."""
+    counts: dict[str, int] = {}
+    for _, origin in json.loads(sources).values():
+        if not origin.startswith(("--", "UNISON_")):
+            counts[origin] = counts.get(origin, 0) + 1
+    return "".join(
+        f" ({count} setting(s) came from {origin}; `unison env --config {origin}` lists them)"
+        for origin, count in counts.items()
+    )
