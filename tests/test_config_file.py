@@ -193,12 +193,16 @@ def test_a_flag_sets_the_files_whole_group_aside(tmp_path, monkeypatch):
     config.write_text("use_fsdp = true\nfsdp_sharding_strategy = 'SHARD_GRAD_OP'\nnproc_per_node = 4\n")
     for name in ("UNISON_PLUGIN", "UNISON_PARALLELISM"):
         monkeypatch.delenv(name, raising=False)
-    options, sources = parsed(tmp_path, "--config", str(config), "--parallelism", "zero2", "--num-processes", "2")
+    options, sources = parsed(
+        tmp_path, "--config", str(config), "--parallelism", "zero2", "--num-processes", "2"
+    )
     assert options.plugin is None and options.parallelism == "zero2" and options.nproc_per_node is None
     assert sources == {"num_processes": [2, "--num-processes"], "parallelism": ["zero2", "--parallelism"]}
     options, _ = parsed(tmp_path, "--config", str(config))
     assert json.loads(options.plugin) == {"fsdp": {"sharding_strategy": "SHARD_GRAD_OP"}}
-    options, _ = parsed(tmp_path, "--config", str(config), env={"UNISON_PLUGIN": "{}"}, monkeypatch=monkeypatch)
+    options, _ = parsed(
+        tmp_path, "--config", str(config), env={"UNISON_PLUGIN": "{}"}, monkeypatch=monkeypatch
+    )
     assert options.plugin is None  # the variable's plugin stands
 
 
@@ -207,7 +211,13 @@ def _flags_options(tmp_path: Path, *flags: str):
 
 
 def test_accelerate_yaml_maps_onto_the_launch_flags(tmp_path, monkeypatch):
-    for name in ("UNISON_MIXED_PRECISION", "UNISON_PLUGIN", "UNISON_CPU", "UNISON_DEBUG", "UNISON_DYNAMO_BACKEND"):
+    for name in (
+        "UNISON_MIXED_PRECISION",
+        "UNISON_PLUGIN",
+        "UNISON_CPU",
+        "UNISON_DEBUG",
+        "UNISON_DYNAMO_BACKEND",
+    ):
         monkeypatch.delenv(name, raising=False)
     multi_gpu, _ = parsed(tmp_path, "--config", str(DATA / "accelerate_multi_gpu.yaml"))
     assert multi_gpu == _flags_options(tmp_path, "--num_processes", "2", "--mixed_precision", "bf16")
@@ -256,7 +266,8 @@ def test_accelerate_keys_unison_does_not_use_are_named(tmp_path, monkeypatch, ca
     assert warnings == [
         "fsdp_config.fsdp_cpu_ram_efficient_loading: True (every process builds the model: more host memory, "
         "same numbers)",
-        "compute_environment: AMAZON_SAGEMAKER (where Accelerate runs the job; unison launches on this machine)",
+        "compute_environment: AMAZON_SAGEMAKER (where Accelerate runs the job; unison launches on this "
+        "machine)",
         "gpu_ids: 0,1 (export CUDA_VISIBLE_DEVICES to choose GPUs)",
         "tpu_name: my-tpu (TPUs are not supported)",
     ]
@@ -297,7 +308,9 @@ def test_missing_writers_and_readers_name_the_extra(tmp_path, monkeypatch, capsy
     with pytest.raises(SystemExit):
         main(["config", "--cpu"])
     assert "needs tomli-w, which is not installed: pip install 'unison[config]'" in capsys.readouterr().err
-    with pytest.raises(ConfigError, match=r"needs PyYAML, which is not installed: pip install 'unison\[config\]'"):
+    with pytest.raises(
+        ConfigError, match=r"needs PyYAML, which is not installed: pip install 'unison\[config\]'"
+    ):
         read_config(DATA / "accelerate_fsdp.yaml")
 
 

@@ -121,7 +121,9 @@ def map_accelerate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], li
     _map_dynamo(data.pop("dynamo_config", {}), data.pop("dynamo_backend", None), values, warnings)
     _map_layout(data, values, warnings, where)
     for key in sorted(data):
-        why = _HARMLESS.get(key) or ("TPUs are not supported" if key.startswith("tpu_") else "not read by unison")
+        why = _HARMLESS.get(key) or (
+            "TPUs are not supported" if key.startswith("tpu_") else "not read by unison"
+        )
         warnings.append(f"{key}: {data[key]} ({why})")
     return {key: value for key, value in values.items() if value is not None}, warnings
 
@@ -167,7 +169,9 @@ def _map_layout(data: dict[str, Any], values: dict[str, Any], warnings: list[str
         values["use_deepspeed"] = True
         deepspeed = dict(deepspeed)
         if "gradient_accumulation_steps" in deepspeed:
-            values.setdefault("gradient_accumulation_steps", int(deepspeed.pop("gradient_accumulation_steps")))
+            values.setdefault(
+                "gradient_accumulation_steps", int(deepspeed.pop("gradient_accumulation_steps"))
+            )
         _plugin_fields(deepspeed, DEEPSPEED_FLAGS, "deepspeed_config", values, warnings)
     else:
         raise AccelerateConfigError(

@@ -76,7 +76,8 @@ SETTINGS: dict[str, Setting] = {
             "timeout",
             (float, int),
             launch_env.TIMEOUT,
-            f"{DEFAULT_FIRST_STEP_TIMEOUT_SECONDS:g} s to the first step, {DEFAULT_TIMEOUT_SECONDS:g} s after",
+            f"{DEFAULT_FIRST_STEP_TIMEOUT_SECONDS:g} s to the first step, "
+            f"{DEFAULT_TIMEOUT_SECONDS:g} s after",
         ),
         Setting("debug", (bool,), launch_env.DEBUG, False),
         Setting("parallelism", (str,), launch_env.PARALLELISM, "ddp", group="layout"),
@@ -131,8 +132,10 @@ def _read_toml(path: Path) -> dict[str, Any]:
         with path.open("rb") as file:
             return tomllib.load(file)
     except tomllib.TOMLDecodeError as error:
-        raise ConfigError(f"{path} is not valid TOML ({error}): fix the line named, or rewrite it with "
-                          "`unison config --force`.") from None
+        raise ConfigError(
+            f"{path} is not valid TOML ({error}): fix the line named, or rewrite it with "
+            "`unison config --force`."
+        ) from None
 
 
 def check_values(values: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -142,18 +145,24 @@ def check_values(values: Mapping[str, Any], where: str) -> dict[str, Any]:
         if setting is None:
             close = difflib.get_close_matches(key, SETTINGS, n=1, cutoff=0.6)
             hint = f"did you mean {close[0]!r}?" if close else "see `unison config --help` for the keys"
-            raise ConfigError(f"{where}: unknown key {key!r} ({hint}). Keys are launch flags' names with "
-                              "underscores, e.g. mixed_precision.")
+            raise ConfigError(
+                f"{where}: unknown key {key!r} ({hint}). Keys are launch flags' names with "
+                "underscores, e.g. mixed_precision."
+            )
         if isinstance(value, bool) and bool not in setting.types or not isinstance(value, setting.types):
             wanted = " or ".join("true/false" if t is bool else t.__name__ for t in setting.types)
-            raise ConfigError(f"{where}: {key} = {value!r} is a {type(value).__name__}, but {key} takes "
-                              f"{wanted}: e.g. {key} = {_example(setting)}.")
+            raise ConfigError(
+                f"{where}: {key} = {value!r} is a {type(value).__name__}, but {key} takes "
+                f"{wanted}: e.g. {key} = {_example(setting)}."
+            )
     return dict(values)
 
 
 def _example(setting: Setting) -> str:
-    sample = setting.default if setting.default is not None else {bool: True, int: 2, float: 60.0}.get(
-        setting.types[0], "VALUE"
+    sample = (
+        setting.default
+        if setting.default is not None
+        else {bool: True, int: 2, float: 60.0}.get(setting.types[0], "VALUE")
     )
     return json.dumps(sample) if not isinstance(sample, bool) else str(sample).lower()
 

@@ -1,7 +1,8 @@
 """Launched by tests/test_config_file.py. Usage: config_worker.py OUT_DIR [CODE_ACCUMULATION].
 
 Writes what this rank's Accelerator saw to OUT_DIR/rank{R}.json, and on rank 0 the settings lines
-`unison env` prints inside the launch. CODE_ACCUMULATION: passed as Accelerator(gradient_accumulation_steps=...).
+`unison env` prints inside the launch. CODE_ACCUMULATION: given in code, as
+Accelerator(gradient_accumulation_steps=CODE_ACCUMULATION).
 """
 
 import json

@@ -65,7 +65,9 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except ConfigError as error:
         parser.error(str(error))
     output.write_text(text)
-    sys.stdout.write(f"wrote {output} ({len(values)} setting(s)); `unison env` shows them with their origins\n")
+    sys.stdout.write(
+        f"wrote {output} ({len(values)} setting(s)); `unison env` shows them with their origins\n"
+    )
     return 0
 
 

@@ -62,7 +62,9 @@ def format_text(report: dict[str, Any]) -> str:
             lines.append(f"{key}:" + ("" if value else " (none)"))
             lines.extend(f"  {name}: {item}" for name, item in value.items())
         elif key == "settings":
-            lines.append("settings (code argument > launch flag > UNISON_* variable > config file > default):")
+            lines.append(
+                "settings (code argument > launch flag > UNISON_* variable > config file > default):"
+            )
             lines.extend(f"  {line}" for line in value)
         elif isinstance(value, list):
             lines.append(f"{key}: {', '.join(map(str, value)) or '(none)'}")

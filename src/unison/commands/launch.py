@@ -8,8 +8,8 @@ from .. import launch_env
 from ..launch_config import ConfigError
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
-from .plugin_flags import add_plugin_flags, plugin_from_flags
 from .launch_config_flags import add_config_flag, apply_config_file, file_note
+from .plugin_flags import add_plugin_flags, plugin_from_flags
 
 DESCRIPTION = """\
 Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
@@ -125,7 +125,9 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         *_spellings("max-restarts"), type=int, default=None, help="restart all workers up to this many times"
     )
     training = parser.add_argument_group("training defaults (exported as UNISON_* variables)")
-    training.add_argument("--cpu", action="store_true", default=None, help="run on the CPU even if GPUs are present")
+    training.add_argument(
+        "--cpu", action="store_true", default=None, help="run on the CPU even if GPUs are present"
+    )
     training.add_argument(*_spellings("mixed-precision"), default=None, help="no, bf16 or fp16")
     training.add_argument(
         *_spellings("gradient-accumulation-steps"),

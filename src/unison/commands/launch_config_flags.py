@@ -53,7 +53,7 @@ def _as_flag_value(key: str, value: Any) -> Any:
 
 
 def file_note(sources: str) -> str:
-    """" (N settings from FILE; ...)" for an error that may be about a config file's settings; or ""."""
+    """ " (N settings from FILE; ...)" for an error that may be about a config file's settings; or ""."""
     counts: dict[str, int] = {}
     for _, origin in json.loads(sources).values():
         if not origin.startswith(("--", "UNISON_")):

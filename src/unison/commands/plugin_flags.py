@@ -45,7 +45,9 @@ DEEPSPEED_FLAGS = {
 def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     """Accelerate's spellings (underscores), as its users type them; each defaults to "not given"."""
     fsdp = parser.add_argument_group("FSDP, as accelerate launch spells it (exported as UNISON_PLUGIN)")
-    fsdp.add_argument("--use_fsdp", "--use-fsdp", action="store_true", default=None, help="shard with FSDP2 (ZeRO-3)")
+    fsdp.add_argument(
+        "--use_fsdp", "--use-fsdp", action="store_true", default=None, help="shard with FSDP2 (ZeRO-3)"
+    )
     deepspeed = parser.add_argument_group("DeepSpeed's ZeRO stages, run on torch's engines (UNISON_PLUGIN)")
     deepspeed.add_argument(
         "--use_deepspeed", "--use-deepspeed", action="store_true", default=None, help="ZeRO stage (default 2)"
