@@ -201,14 +201,15 @@ def sources_to_env(origins: Mapping[str, tuple[Any, str]]) -> str:
 
 
 def describe(origins: Mapping[str, tuple[Any, str]]) -> list[str]:
-    """One `key = value (from ORIGIN)` line per setting, `(default)` for those nothing set; the plugin
-    flags only when set."""
+    """One `key = value (from ORIGIN)` line per setting, `(default)` for those nothing set (unless
+    another of its group was set: num_processes makes nproc_per_node's default moot)."""
     lines = []
+    groups_set = {SETTINGS[key].group for key in origins} - {None}
     for key, setting in SETTINGS.items():
         if key in origins:
             value, origin = origins[key]
             lines.append(f"{key} = {_show(value)} (from {origin})")
-        elif key not in PLUGIN_KEYS and setting.default is not None:
+        elif setting.default is not None and setting.group not in groups_set:
             lines.append(f"{key} = {_show(setting.default)} ({DEFAULT_ORIGIN})")
     return lines
 
