@@ -17,6 +17,9 @@ logger = logging.getLogger("unison")
 def add_config_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--config",
+        "--config_file",
+        "--config-file",
+        dest="config",
         default=None,
         metavar="FILE",
         help="launch settings file: TOML written by `unison config`, or an Accelerate default_config.yaml "
