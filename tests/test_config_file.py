@@ -84,16 +84,18 @@ def test_config_asks_the_questions_on_a_terminal(tmp_path):
     )
     os.close(secondary)
     # nproc_per_node, cpu, mixed_precision (a wrong answer, asked again), accumulation, then defaults
-    os.write(primary, b"2\nyes\nbf17\nbf16\nmaybe\n3\n\n\n\n")
+    os.write(primary, b"2\nyes\nbf17\nbf16\nmaybe\n0\n3\n\n\n\n")
     out, err = process.communicate(timeout=120)
     os.close(primary)
     assert process.returncode == 0, err
     assert "mixed precision (no, bf16, fp16) [no]: " in out
+    assert "mixed_precision='bf17' is unknown: choose one of no, bf16, fp16" in out
     assert "gradient_accumulation_steps = 'maybe' is not a int" in out
+    assert "gradient_accumulation_steps = 0 must be above 0" in out
     assert read_config(tmp_path / "unison.toml")[0] == {
         "nproc_per_node": 2,
         "cpu": True,
-        "mixed_precision": "bf17",  # the file takes the text; launch checks the value
+        "mixed_precision": "bf16",
         "gradient_accumulation_steps": 3,
     }
 

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from ..launch_config import DEFAULT_FILE, PLUGIN_KEYS, SETTINGS, ConfigError, Setting, check_values
+from ..parallel.checkpointing import normalize_mode
+from ..state import validate_mixed_precision
 
 HEADER = """\
 # unison launch settings: `unison launch` reads this file from the current directory (or --config FILE).
@@ -83,14 +85,30 @@ def parse_value(setting: Setting, raw: Any) -> Any:
             return False
         raise ConfigError(f"{setting.key} = {raw!r} is not yes or no: answer true or false.")
     for kind in setting.types:
-        if kind is str:
-            return text
         try:
-            return kind(text)
-        except ValueError:
-            continue
+            return check_value(setting.key, text if kind is str else kind(text))
+        except ValueError as error:
+            if isinstance(error, ConfigError):
+                raise
     wanted = " or ".join(kind.__name__ for kind in setting.types)
     raise ConfigError(f"{setting.key} = {raw!r} is not a {wanted}: e.g. {setting.flag} 2.")
+
+
+def check_value(key: str, value: Any) -> Any:
+    """The launch's own checks of the values it can judge on any machine, so a wrong one is refused
+    when written, not at the next launch."""
+    try:
+        if key == "mixed_precision":
+            return validate_mixed_precision(value)
+        if key == "activation_checkpointing":
+            normalize_mode(value, key)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    if key == "nproc_per_node" and isinstance(value, str) and value != "auto":
+        raise ConfigError(f"nproc_per_node = {value!r} is neither a number nor 'auto': e.g. 2, or auto.")
+    if key in ("gradient_accumulation_steps", "timeout") and not value > 0:
+        raise ConfigError(f"{key} = {value} must be above 0: e.g. {key} = {SETTINGS[key].default or 600}.")
+    return value
 
 
 def ask() -> dict[str, Any]:
