@@ -153,17 +153,16 @@ def check_values(values: Mapping[str, Any], where: str) -> dict[str, Any]:
             wanted = " or ".join("true/false" if t is bool else t.__name__ for t in setting.types)
             raise ConfigError(
                 f"{where}: {key} = {value!r} is a {type(value).__name__}, but {key} takes "
-                f"{wanted}: e.g. {key} = {_example(setting)}."
+                f"{wanted}: e.g. {key} = {example(setting)}."
             )
     return dict(values)
 
 
-def _example(setting: Setting) -> str:
-    sample = (
-        setting.default
-        if setting.default is not None
-        else {bool: True, int: 2, float: 60.0}.get(setting.types[0], "VALUE")
-    )
+def example(setting: Setting) -> str:
+    """A valid TOML value for `setting`, for error messages: its default when that is one."""
+    sample = setting.default
+    if sample is None or not isinstance(sample, setting.types):
+        sample = {bool: True, int: 2, float: 600.0}.get(setting.types[0], "VALUE")
     return json.dumps(sample) if not isinstance(sample, bool) else str(sample).lower()
 
 

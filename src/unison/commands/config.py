@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..launch_config import DEFAULT_FILE, PLUGIN_KEYS, SETTINGS, ConfigError, Setting, check_values
+from ..launch_config import DEFAULT_FILE, PLUGIN_KEYS, SETTINGS, ConfigError, Setting, check_values, example
 from ..parallel.checkpointing import normalize_mode
 from ..state import validate_mixed_precision
 
@@ -107,7 +107,7 @@ def check_value(key: str, value: Any) -> Any:
     if key == "nproc_per_node" and isinstance(value, str) and value != "auto":
         raise ConfigError(f"nproc_per_node = {value!r} is neither a number nor 'auto': e.g. 2, or auto.")
     if key in ("gradient_accumulation_steps", "timeout") and not value > 0:
-        raise ConfigError(f"{key} = {value} must be above 0: e.g. {key} = {SETTINGS[key].default or 600}.")
+        raise ConfigError(f"{key} = {value} must be above 0: e.g. {key} = {example(SETTINGS[key])}.")
     return value
 
 
