@@ -273,6 +273,9 @@ def test_accelerate_keys_unison_does_not_use_are_named(tmp_path, monkeypatch, ca
         "gpu_ids: 0,1 (export CUDA_VISIBLE_DEVICES to choose GPUs)",
         "tpu_name: my-tpu (TPUs are not supported)",
     ]
+    hand_written = tmp_path / "hand.yaml"  # unquoted `no`, which YAML reads as False
+    hand_written.write_text("mixed_precision: no\ndowncast_bf16: no\ndynamo_backend: no\nnum_processes: 2\n")
+    assert read_config(hand_written) == ({"num_processes": 2, "mixed_precision": "no"}, [])
     config = tmp_path / "fsdp.yml"
     config.write_text((DATA / "accelerate_fsdp.yaml").read_text())
     monkeypatch.delenv("UNISON_PLUGIN", raising=False)

@@ -129,13 +129,20 @@ def map_accelerate(data: dict[str, Any], where: str) -> tuple[dict[str, Any], li
 
 
 def _says_nothing(key: str, value: Any) -> bool:
-    return value is None or value == {} or value == [] or (key in _NO_OP and value == _NO_OP[key])
+    if value is None or value == {} or value == []:
+        return True
+    return key in _NO_OP and _NO_OP[key] in (value, _unquoted_no(value))
+
+
+def _unquoted_no(value: Any) -> Any:
+    """YAML 1.1 reads an unquoted `no` as False: `mixed_precision: no` means "no", not "false"."""
+    return "no" if value is False else value
 
 
 def _map_precision(value: Any, values: dict[str, Any], where: str) -> None:
     if value is None:
         return
-    precision = str(value).lower()
+    precision = str(_unquoted_no(value)).lower()
     if precision == "fp8":
         raise AccelerateConfigError(
             f"{where}: mixed_precision: fp8 changes the numerics and unison has no FP8 path. Use bf16."
@@ -146,7 +153,7 @@ def _map_precision(value: Any, values: dict[str, Any], where: str) -> None:
 def _map_dynamo(config: dict[str, Any], backend: Any, values: dict[str, Any], warnings: list[str]) -> None:
     config = {key: value for key, value in config.items() if not _says_nothing(key, value)}
     backend = config.pop("dynamo_backend", backend)
-    if backend is not None and str(backend).lower() != "no":
+    if backend is not None and str(_unquoted_no(backend)).lower() != "no":
         values["dynamo_backend"] = str(backend).lower()
     if "dynamo_mode" in config:
         values["dynamo_mode"] = str(config.pop("dynamo_mode"))
