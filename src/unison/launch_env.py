@@ -34,6 +34,7 @@ DEBUG = "UNISON_DEBUG"  # check every collective's operation and shapes across r
 DYNAMO_BACKEND = "UNISON_DYNAMO_BACKEND"  # torch.compile backend of prepare() (parallel/compiling.py)
 DYNAMO_MODE = "UNISON_DYNAMO_MODE"
 LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
+CONFIG_SOURCES = "UNISON_CONFIG_SOURCES"  # JSON {setting: [value, origin]}, for `unison env` (launch_config)
 
 ALL = (
     MIXED_PRECISION,
@@ -47,6 +48,7 @@ ALL = (
     DYNAMO_BACKEND,
     DYNAMO_MODE,
     LAUNCHER_PID,
+    CONFIG_SOURCES,
 )
 
 _TRUE = {"1", "true", "yes", "on"}

@@ -535,8 +535,9 @@ def exported(env: Mapping[str, str]) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def launch(options: LaunchOptions) -> int:
-    """Run the launch described by `options`; return the exit code (0 when every worker succeeded)."""
+def launch(options: LaunchOptions, sources: str | None = None) -> int:
+    """Run the launch described by `options`; return the exit code (0 when every worker succeeded).
+    `sources`: each setting's value and origin (launch_config), passed on for `unison env`."""
     nproc_per_node = validate(options)
     with tempfile.TemporaryDirectory(prefix="unison-launch-") as log_dir:
         argv = torchrun_argv(options, nproc_per_node, log_dir)
@@ -555,6 +556,8 @@ def launch(options: LaunchOptions) -> int:
         if options.debug:
             env[launch_env.DEBUG] = "1"
         env.update(compile_variables(options))
+        if sources is not None:
+            env[launch_env.CONFIG_SOURCES] = sources
         with exported(env), quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:

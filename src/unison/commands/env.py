@@ -1,4 +1,5 @@
-"""`unison env`: the facts a bug report needs (versions, devices, backends, launch variables)."""
+"""`unison env`: the facts a bug report needs (versions, devices, backends, launch variables, and each
+launch setting with where it came from)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import __version__
+from .. import __version__, launch_env
+from ..launch_config import ConfigError, current_origins, describe
 
 RELEVANT_ENV = re.compile(
     r"^(UNISON_\w+|RANK|LOCAL_RANK|GROUP_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
@@ -21,9 +23,11 @@ RELEVANT_ENV = re.compile(
 )
 
 
-def collect() -> dict[str, Any]:
-    """Versions, devices, process-group backends and the environment variables that steer a launch."""
+def collect(config: str | None = None) -> dict[str, Any]:
+    """Versions, devices, process-group backends, the environment variables that steer a launch, and
+    each launch setting with its origin (`config`: the settings file; default ./unison.toml if present)."""
     cuda = torch.cuda.is_available()
+    origins, warnings = current_origins(config)
     return {
         "unison": __version__,
         "torch": torch.__version__,
@@ -41,8 +45,12 @@ def collect() -> dict[str, Any]:
             "mpi": dist.is_available() and dist.is_mpi_available(),
         },
         "environment": {
-            name: value for name, value in sorted(os.environ.items()) if RELEVANT_ENV.match(name)
+            name: value
+            for name, value in sorted(os.environ.items())
+            if RELEVANT_ENV.match(name) and name != launch_env.CONFIG_SOURCES
         },
+        "settings": describe(origins),
+        **({"config_not_used": warnings} if warnings else {}),
     }
 
 
@@ -53,6 +61,11 @@ def format_text(report: dict[str, Any]) -> str:
         if isinstance(value, dict):
             lines.append(f"{key}:" + ("" if value else " (none)"))
             lines.extend(f"  {name}: {item}" for name, item in value.items())
+        elif key == "settings":
+            lines.append(
+                "settings (code argument > launch flag > UNISON_* variable > config file > default):"
+            )
+            lines.extend(f"  {line}" for line in value)
         elif isinstance(value, list):
             lines.append(f"{key}: {', '.join(map(str, value)) or '(none)'}")
         else:
@@ -67,10 +80,19 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         description="Print what a bug report needs: versions, devices, backends and launch variables.",
     )
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
-    parser.set_defaults(run=run)
+    parser.add_argument(
+        "--config",
+        default=None,
+        metavar="FILE",
+        help="the launch settings file to show origins from (default: ./unison.toml when present)",
+    )
+    parser.set_defaults(run=lambda args: run(args, parser))
 
 
-def run(args: argparse.Namespace) -> int:
-    report = collect()
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        report = collect(args.config)
+    except ConfigError as error:
+        parser.error(str(error))
     sys.stdout.write((json.dumps(report, indent=2) if args.json else format_text(report)) + "\n")
     return 0

@@ -5,8 +5,10 @@ from __future__ import annotations
 import argparse
 
 from .. import launch_env
+from ..launch_config import ConfigError
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
+from .launch_config_flags import add_config_flag, apply_config_file, file_note
 from .plugin_flags import add_plugin_flags, plugin_from_flags
 
 DESCRIPTION = """\
@@ -88,7 +90,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     group.add_argument(
         *_spellings("nnodes", "num-machines"),
         dest="nnodes",
-        default="1",
+        default=None,
         help="number of nodes, or MIN:MAX with --rdzv-endpoint (default 1)",
     )
     group.add_argument(
@@ -112,18 +114,20 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="port on node 0 (default: free port / 29500)",
     )
     group.add_argument(*_spellings("rdzv-endpoint"), default=None, help="HOST:PORT of a c10d rendezvous")
-    group.add_argument(*_spellings("rdzv-id"), default="unison", help="job id shared by the nodes (c10d)")
-    group.add_argument(*_spellings("rdzv-conf"), default="", help="extra c10d settings, e.g. is_host=1")
+    group.add_argument(*_spellings("rdzv-id"), default=None, help="job id shared by the nodes (c10d)")
+    group.add_argument(*_spellings("rdzv-conf"), default=None, help="extra c10d settings, e.g. is_host=1")
     group.add_argument(
         *_spellings("local-addr"),
         default=None,
         help="this node's address as the others reach it (c10d; default: its address towards the endpoint)",
     )
     group.add_argument(
-        *_spellings("max-restarts"), type=int, default=0, help="restart all workers up to this many times"
+        *_spellings("max-restarts"), type=int, default=None, help="restart all workers up to this many times"
     )
     training = parser.add_argument_group("training defaults (exported as UNISON_* variables)")
-    training.add_argument("--cpu", action="store_true", help="run on the CPU even if GPUs are present")
+    training.add_argument(
+        "--cpu", action="store_true", default=None, help="run on the CPU even if GPUs are present"
+    )
     training.add_argument(*_spellings("mixed-precision"), default=None, help="no, bf16 or fp16")
     training.add_argument(
         *_spellings("gradient-accumulation-steps"),
@@ -144,6 +148,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     training.add_argument(
         "--debug",
         action="store_true",
+        default=None,
         help="check every collective's operation and shapes across ranks before it runs (slower): ranks "
         "that call different collectives fail at once, on every rank",
     )
@@ -174,6 +179,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="torch.compile's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
     )
     add_plugin_flags(parser)
+    add_config_flag(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
     )
@@ -191,37 +197,43 @@ def _spellings(*names: str) -> list[str]:
 
 
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
-    """The LaunchOptions the parsed command line asks for (aliases already folded into our names)."""
+    """The LaunchOptions the parsed command line asks for (aliases already folded into our names); a
+    setting nothing gave (None) takes LaunchOptions' default."""
+    given = {
+        "nproc_per_node": args.nproc_per_node,
+        "num_processes": args.num_processes,
+        "nnodes": None if args.nnodes is None else str(args.nnodes),
+        "node_rank": args.node_rank,
+        "master_addr": args.master_addr,
+        "master_port": args.master_port,
+        "rdzv_endpoint": args.rdzv_endpoint,
+        "rdzv_id": args.rdzv_id,
+        "rdzv_conf": args.rdzv_conf,
+        "local_addr": args.local_addr,
+        "max_restarts": args.max_restarts,
+        "cpu": args.cpu,
+        "mixed_precision": args.mixed_precision,
+        "gradient_accumulation_steps": args.gradient_accumulation_steps,
+        "timeout": None if args.timeout is None else float(args.timeout),
+        "debug": args.debug,
+        "parallelism": args.parallelism,
+        "activation_checkpointing": args.activation_checkpointing,
+        "plugin": plugin_from_flags(args),
+        "dynamo_backend": args.dynamo_backend,
+        "dynamo_mode": args.dynamo_mode,
+    }
     return LaunchOptions(
         script=args.script,
         script_args=tuple(args.script_args),
         module=args.module,
-        nproc_per_node=args.nproc_per_node,
-        num_processes=args.num_processes,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
-        rdzv_endpoint=args.rdzv_endpoint,
-        rdzv_id=args.rdzv_id,
-        rdzv_conf=args.rdzv_conf,
-        local_addr=args.local_addr,
-        max_restarts=args.max_restarts,
-        cpu=args.cpu,
-        mixed_precision=args.mixed_precision,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        timeout=args.timeout,
-        debug=args.debug,
-        parallelism=args.parallelism,
-        activation_checkpointing=args.activation_checkpointing,
-        plugin=plugin_from_flags(args),
-        dynamo_backend=args.dynamo_backend,
-        dynamo_mode=args.dynamo_mode,
+        **{name: value for name, value in given.items() if value is not None},
     )
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    sources = None
     try:
-        return launch(options_from_args(args))
-    except LaunchError as error:
-        parser.error(str(error))  # exits with status 2, before any process started
+        sources = apply_config_file(args)
+        return launch(options_from_args(args), sources=sources)
+    except (LaunchError, ConfigError) as error:  # exits with status 2, before any process started
+        parser.error(str(error) + (file_note(sources) if sources else ""))

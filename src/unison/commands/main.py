@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
-from . import env, estimate_memory, launch, plan
+from . import config, env, estimate_memory, launch, plan
 
 
 class SuggestingParser(argparse.ArgumentParser):
@@ -44,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     launch.register(subcommands)
     env.register(subcommands)
+    config.register(subcommands)
     estimate_memory.register(subcommands)
     plan.register(subcommands)
     return parser

@@ -16,7 +16,7 @@ from ..launcher import LaunchError
 from ..plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, plugin_to_env
 
 # flag -> (plugin field, value type); "bool" takes Accelerate's true/false strings
-_FSDP_FLAGS = {
+FSDP_FLAGS = {
     "fsdp_version": ("fsdp_version", int),
     "fsdp_offload_params": ("cpu_offload", "bool"),
     "fsdp_min_num_params": ("min_num_params", int),
@@ -32,7 +32,7 @@ _FSDP_FLAGS = {
     "fsdp_sync_module_states": ("sync_module_states", "bool"),
     "fsdp_activation_checkpointing": ("activation_checkpointing", "bool"),
 }
-_DEEPSPEED_FLAGS = {
+DEEPSPEED_FLAGS = {
     "deepspeed_config_file": ("hf_ds_config", str),
     "zero_stage": ("zero_stage", int),
     "offload_optimizer_device": ("offload_optimizer_device", str),
@@ -45,14 +45,16 @@ _DEEPSPEED_FLAGS = {
 def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
     """Accelerate's spellings (underscores), as its users type them; each defaults to "not given"."""
     fsdp = parser.add_argument_group("FSDP, as accelerate launch spells it (exported as UNISON_PLUGIN)")
-    fsdp.add_argument("--use_fsdp", "--use-fsdp", action="store_true", help="shard with FSDP2 (ZeRO-3)")
+    fsdp.add_argument(
+        "--use_fsdp", "--use-fsdp", action="store_true", default=None, help="shard with FSDP2 (ZeRO-3)"
+    )
     deepspeed = parser.add_argument_group("DeepSpeed's ZeRO stages, run on torch's engines (UNISON_PLUGIN)")
     deepspeed.add_argument(
-        "--use_deepspeed", "--use-deepspeed", action="store_true", help="ZeRO stage (default 2)"
+        "--use_deepspeed", "--use-deepspeed", action="store_true", default=None, help="ZeRO stage (default 2)"
     )
     for group, flags, plugin in (
-        (fsdp, _FSDP_FLAGS, "FullyShardedDataParallelPlugin"),
-        (deepspeed, _DEEPSPEED_FLAGS, "DeepSpeedPlugin"),
+        (fsdp, FSDP_FLAGS, "FullyShardedDataParallelPlugin"),
+        (deepspeed, DEEPSPEED_FLAGS, "DeepSpeedPlugin"),
     ):
         for flag, (field, kind) in flags.items():
             group.add_argument(
@@ -71,7 +73,7 @@ def plugin_from_flags(args: argparse.Namespace) -> str | None:
     chosen = [name for name in ("use_fsdp", "use_deepspeed") if getattr(args, name)]
     if len(chosen) == 2:
         raise LaunchError("--use_fsdp and --use_deepspeed name two layouts: pass one of them.")
-    for use, flags in (("use_fsdp", _FSDP_FLAGS), ("use_deepspeed", _DEEPSPEED_FLAGS)):
+    for use, flags in (("use_fsdp", FSDP_FLAGS), ("use_deepspeed", DEEPSPEED_FLAGS)):
         stray = [f"--{flag}" for flag in flags if getattr(args, flag) is not None and use not in chosen]
         if stray:
             raise LaunchError(f"{', '.join(stray)} without --{use}: add --{use}, or drop them.")
@@ -82,9 +84,9 @@ def plugin_from_flags(args: argparse.Namespace) -> str | None:
             f"--parallelism {args.parallelism} and --{chosen[0]} both name the layout: pass one of them."
         )
     if chosen == ["use_fsdp"]:
-        plugin: Any = FullyShardedDataParallelPlugin(**_fields(args, _FSDP_FLAGS))
+        plugin: Any = FullyShardedDataParallelPlugin(**_fields(args, FSDP_FLAGS))
     else:
-        fields = _fields(args, _DEEPSPEED_FLAGS)
+        fields = _fields(args, DEEPSPEED_FLAGS)
         if args.gradient_accumulation_steps is not None:  # Accelerate hands it to the DeepSpeed plugin too
             fields["gradient_accumulation_steps"] = args.gradient_accumulation_steps
         plugin = DeepSpeedPlugin(**fields)
