@@ -254,6 +254,9 @@ def test_four_process_meshes(tmp_path):
 
         assert record["ddp_wrapper"] == "DistributedDataParallel"
         assert record["ddp_mesh"]["names"] == ["dp_replicate"] and record["ddp_mesh"]["shape"] == [4]
+    timed = [record["auto_timed"] for record in records]
+    assert all(entry == timed[0] for entry in timed), timed  # process 0's plan, on every rank
+    assert timed[0]["by_speed"] and timed[0]["step_seconds"] > 0 and timed[0]["global_batch"] == 8
     refusals = {record["auto_refusal"] for record in records}
     assert len(refusals) == 1 and next(iter(refusals)).startswith("PlanError: "), refusals
     errors = {record["mismatch_error"] for record in records}
@@ -279,6 +282,24 @@ def test_launch_accepts_auto_and_passes_it_to_the_workers():
     env = launcher.worker_environment(4, cpu=True, parallelism="Auto")
     assert env[launch_env.PARALLELISM] == "Auto"
     launcher._validate_parallelism("auto", 4, 1, 1)  # no degrees to check before the planner runs
+    launcher._validate_parallelism("auto:global_batch_size=64,seq_len=1024", 4, 1, 1)
+    with pytest.raises(launcher.LaunchError, match="'batch' is not a fact the planner takes"):
+        launcher._validate_parallelism("auto:batch=64", 4, 1, 1)
+
+
+@pytest.mark.parametrize(
+    "spec, reason",
+    [
+        ("auto:global_batch_size=64", "give both"),
+        ("auto:seq_len=64,micro_batch_size=2", "give both"),
+        ("auto:global_batch_size=0,seq_len=4", "global_batch_size='0' is not a whole number >= 1"),
+        ("auto:global_batch_size=x,seq_len=4", "global_batch_size='x' is not a whole number >= 1"),
+        ("auto:steps=3", "'steps' is not a fact the planner takes"),
+    ],
+)
+def test_auto_with_bad_run_facts_fails_at_construction(fresh_state, spec, reason):
+    with pytest.raises(ValueError, match=reason):
+        Accelerator(cpu=True, parallelism=spec)
 
 
 def test_sequence_parallel_with_a_user_plan_is_refused():

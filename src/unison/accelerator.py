@@ -47,7 +47,7 @@ from .kwargs_handlers import (
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .parallel.checkpointing import normalize_mode, resolve_mode
 from .parallel.compiling import TorchDynamoPlugin, resolve_dynamo_plugin
-from .parallel.config import ParallelismConfig, is_auto
+from .parallel.config import ParallelismConfig, auto_options, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
@@ -189,6 +189,7 @@ class Accelerator(
         self.plan: Plan | None = None  # the planner's verdict, when parallelism="auto"
         self.parallelism: ParallelismConfig | None = None
         self.device_mesh: DeviceMesh | None = None
+        self._auto_options = auto_options(parallelism) if is_auto(parallelism) else {}  # bad facts fail here
         if not is_auto(parallelism):  # "auto": chosen from the first model prepare() sees
             # Pure check of the degrees against the world size: every rank raises the same error, before work.
             self._set_layout(ParallelismConfig.coerce(parallelism).validate(self.num_processes))

@@ -42,7 +42,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from . import launch_env, network, rendezvous
 from .launch_report import quiet_agent_shutdown, report_failure
 from .parallel.checkpointing import normalize_mode
-from .parallel.config import ParallelismConfig, is_auto
+from .parallel.config import ParallelismConfig, auto_options, is_auto
 from .plugins import layout_of, read_plugin
 from .state import validate_mixed_precision
 
@@ -248,7 +248,13 @@ def _per_node(options: LaunchOptions, min_nodes: int, max_nodes: int) -> int | s
 def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
     """Parse --parallelism; with a fixed node count, check its degrees against the world size too."""
     if is_auto(parallelism):
-        return  # the planner picks the layout inside the workers, from the model
+        try:
+            auto_options(
+                parallelism
+            )  # the layout is the planner's, inside the workers; its facts are checked here
+        except ValueError as error:
+            raise LaunchError(f"--parallelism: {error}") from None
+        return
     try:
         config = ParallelismConfig.from_string(parallelism)
         if min_nodes == max_nodes:

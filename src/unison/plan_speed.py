@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 
+import torch
+
 from unison.cost_model import DEVICES, Batch, DeviceSpec
 from unison.hardware import Hardware
 from unison.parallel.config import ParallelismConfig
@@ -55,6 +57,18 @@ def device_spec(hardware: Hardware, name: str | DeviceSpec | None = None) -> Dev
             spec, inter_node_bandwidth=spec.intra_node_bandwidth, inter_node_latency=spec.intra_node_latency
         )
     return spec
+
+
+def device_key(device: torch.device) -> str | None:
+    """The cost_model.DEVICES key of a CUDA device by its name (A100s by their memory), else None."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device).upper()
+    if "A100" in name:
+        return (
+            "a100-80gb" if torch.cuda.get_device_properties(device).total_memory > 48 * 2**30 else "a100-40gb"
+        )
+    return next((key for key in ("h200", "h100", "b200", "mi300x") if key.upper() in name), None)
 
 
 def parse_device_spec(text: str) -> DeviceSpec:

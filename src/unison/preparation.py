@@ -47,7 +47,12 @@ class PreparationMethods:
     def _plan_layout(self, model: torch.nn.Module) -> None:
         """parallelism="auto": the planner's layout for `model` on this job's hardware."""
         self.plan = plan_for_this_job(
-            model, self.num_processes, self.state.num_local_processes, self.device, self.mixed_precision
+            model,
+            self.num_processes,
+            self.state.num_local_processes,
+            self.device,
+            self.mixed_precision,
+            **self._auto_options,
         )
         self._set_layout(self.plan.config.validate(self.num_processes))
 

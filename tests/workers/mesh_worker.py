@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from tiny_gpt import make_tiny_gpt
 
 from unison import Accelerator
 from unison.parallel.config import ParallelismConfig
@@ -75,6 +76,18 @@ def main() -> None:
         Accelerator(parallelism="auto").prepare(huge)
     except ValueError as error:
         record["auto_refusal"] = f"{type(error).__name__}: {error}"
+
+    # parallelism="auto:..." with the run's batch: the layouts that fit, ranked by predicted step time
+    timed = Accelerator(parallelism="auto:global_batch_size=8,seq_len=16")
+    timed.prepare(make_tiny_gpt(0, 16))
+    record["auto_timed"] = {
+        "layout": timed.plan.config.describe(),
+        "step_seconds": timed.plan.cost.step,
+        "by_speed": any("the fastest of the" in reason for reason in timed.plan.reasons),
+        "global_batch": timed.plan.cost.micro_batch_size
+        * timed.plan.cost.micro_steps
+        * timed.plan.config.dp_size,
+    }
 
     (out_dir / f"rank{zero3.process_index}.json").write_text(json.dumps(record))
     ddp.end_training()

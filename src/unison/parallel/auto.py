@@ -9,6 +9,7 @@ import torch.nn as nn
 
 from .. import ops
 from ..hardware import detect_hardware
+from ..plan_speed import device_key
 from ..planner import Plan, PlanError, plan_parallelism
 from ..state import PartialState
 
@@ -21,6 +22,9 @@ def plan_for_this_job(
     num_local_processes: int,
     device: torch.device,
     mixed_precision: str,
+    global_batch_size: int | None = None,
+    seq_len: int | None = None,
+    micro_batch_size: int | None = None,
 ) -> Plan:
     """The planner's verdict for `model` here, the same on every rank (process 0's, broadcast).
 
@@ -28,7 +32,10 @@ def plan_for_this_job(
     0 plans alone and sends its plan, or its refusal, to all: the ranks must build the same mesh (or
     raise the same error) or they would wait on each other forever. Pipelines are never chosen: they
     need the loop's forward_backward call, which prepare() cannot see. Tensor parallel only where a
-    built-in plan recognises the model.
+    built-in plan recognises the model. With the run's global batch and sequence length
+    ("auto:global_batch_size=G,seq_len=S") the layouts that fit are ranked by predicted step time on this
+    device (unison.cost_model; a CPU or an unlisted GPU is priced as an H100: the ranking, not the
+    seconds, is what counts there).
     """
     precision = "fp32" if mixed_precision == "no" else "bf16-mixed"
     plan, refusal = None, None
@@ -38,9 +45,13 @@ def plan_for_this_job(
             plan = plan_parallelism(
                 model,
                 hardware,
+                micro_batch_size=micro_batch_size,
+                seq_len=seq_len,
                 precision=precision,
                 pipeline=False,
                 tensor_parallel=_has_tensor_parallel_plan(model),
+                global_batch_size=global_batch_size,
+                device=device_key(device),
             )
         except PlanError as error:
             refusal = str(error)

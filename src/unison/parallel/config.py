@@ -355,9 +355,48 @@ class ParallelismConfig:
         return text
 
 
+AUTO_OPTIONS = ("global_batch_size", "seq_len", "micro_batch_size")
+"""What "auto:k=v,..." may tell the planner about the run, so it picks the fastest layout (the cost model)."""
+
+
 def is_auto(value: object) -> bool:
-    """True for the string "auto" (any case, surrounding spaces): let the planner choose the layout."""
-    return isinstance(value, str) and value.strip().lower() == "auto"
+    """True for "auto" or "auto:k=v,..." (any case, surrounding spaces): let the planner choose the layout."""
+    if not isinstance(value, str):
+        return False
+    text = value.strip().lower()
+    return text == "auto" or text.startswith("auto:")
+
+
+def auto_options(value: str) -> dict[str, int]:
+    """The run facts of "auto:global_batch_size=512,seq_len=4096[,micro_batch_size=2]" (none for "auto").
+
+    With a global batch and a sequence length the planner ranks the layouts that fit by predicted step
+    time (docs/planner.md); without, it takes the first that fits in the guide's order.
+    """
+    _, _, rest = value.strip().partition(":")
+    options: dict[str, int] = {}
+    for item in filter(None, (part.strip() for part in rest.split(","))):
+        key, _, raw = item.partition("=")
+        key = key.strip().lower()
+        if key not in AUTO_OPTIONS:
+            raise ValueError(
+                f"parallelism={value!r}: {key!r} is not a fact the planner takes; pass "
+                f"{', '.join(AUTO_OPTIONS)}, e.g. 'auto:global_batch_size=512,seq_len=4096'."
+            )
+        try:
+            options[key] = int(raw)
+        except ValueError:
+            options[key] = 0
+        if options[key] < 1:
+            raise ValueError(f"parallelism={value!r}: {key}={raw.strip()!r} is not a whole number >= 1.")
+    if ("global_batch_size" in options) != ("seq_len" in options) or (
+        "micro_batch_size" in options and "seq_len" not in options
+    ):
+        raise ValueError(
+            f"parallelism={value!r}: the planner prices a step from global_batch_size and seq_len together; "
+            "give both (e.g. 'auto:global_batch_size=512,seq_len=4096') or neither ('auto')."
+        )
+    return options
 
 
 def _parse_bool(text: str, name: str, raw: str) -> bool:
