@@ -203,3 +203,28 @@ def test_cli_takes_a_device_the_table_lacks_and_refuses_bad_figures(capsys):
         assert caught.value.code == 2 and reason in capsys.readouterr().err
     assert _run_cli("plan", target, "--devices", "8", "--global-batch-size", "64") == 2
     assert "global_batch_size=64 needs seq_len" in capsys.readouterr().err
+
+
+def test_cli_measure_times_the_best_layouts_here_and_picks_by_measurement(capsys):
+    """--measure launches each candidate (2 gloo processes, the real tiny GPT) and reports its step."""
+    target = "tests/workers/tiny_gpt.py:tiny_gpt_16"
+    args = ("--devices", "2", "--interconnect", "pcie", "--global-batch-size", "8", "--seq-len", "16")
+    code = _run_cli("plan", target, *args, "--measure", "2", "--measure-steps", "1", "--cpu", "--json")
+    report = json.loads(capsys.readouterr().out)
+    assert code == 0
+    measured = report["measured"]
+    assert [m["layout"] for m in measured] == [report["layout"], report["runners_up"][0]["layout"]]
+    assert measured[0]["predicted_step_seconds"] == report["cost"]["step_seconds"]
+    assert all(m["error"] is None and 0 < m["measured_step_seconds"] < 60 for m in measured), measured
+
+
+def test_cli_measure_needs_a_priced_plan_for_one_node(capsys):
+    target = "tests/workers/tiny_gpt.py:tiny_gpt_16"
+    assert _run_cli("plan", target, "--devices", "2", "--measure") == 2
+    assert (
+        "--measure times the priced layouts: give --global-batch-size and --seq-len"
+        in capsys.readouterr().err
+    )
+    args = ("--devices", "4", "--nodes", "2", "--global-batch-size", "8", "--seq-len", "16", "--measure")
+    assert _run_cli("plan", target, *args) == 2
+    assert "plan for --nodes 1 (got 2), e.g. --devices 2" in capsys.readouterr().err

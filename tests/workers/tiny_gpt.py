@@ -66,3 +66,8 @@ def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
         for value in state.values()
         if isinstance(value, torch.Tensor) and value.dim() > 0
     )
+
+
+def tiny_gpt_16() -> torch.nn.Module:
+    """make_tiny_gpt(0, 16) with no arguments: a TARGET for `unison plan` in the tests."""
+    return make_tiny_gpt(0, 16)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 
-from .. import memory, planner
+from .. import memory, plan_measure, planner
 from ..cost_model import DEFAULT_EFFICIENCY, DEVICES, DeviceSpec, StepCost
 from ..hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware, parse_memory
 from ..plan_speed import parse_device_spec
@@ -122,6 +123,22 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         action="store_true",
         help="leave out layouts that shard over the data-parallel ranks (ZeRO-1/2/3, HSDP)",
     )
+    measuring = parser.add_argument_group("measuring on this machine")
+    measuring.add_argument(
+        "--measure",
+        nargs="?",
+        const=3,
+        type=_positive,
+        metavar="K",
+        help="time the best K layouts (default 3) on this node, each in its own `unison launch` of --devices "
+        "processes with the real model, and pick by measurement (needs --global-batch-size)",
+    )
+    measuring.add_argument(
+        "--measure-steps", type=_positive, default=3, metavar="S", help="timed optimizer steps per layout"
+    )
+    measuring.add_argument(
+        "--cpu", action="store_true", help="measure on the CPU (gloo) even if GPUs are visible"
+    )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON (bytes, seconds)")
     parser.set_defaults(run=run)
 
@@ -194,10 +211,28 @@ def run(args: argparse.Namespace) -> int:
         )
         model = memory.build_on_meta(args.target)
         plan = planner.plan_for(planner.model_facts(model), hardware, workload, args.device, args.mfu)
+        measured = (
+            plan_measure.measure(args.target, plan, args.measure, args.measure_steps, args.cpu)
+            if args.measure
+            else None
+        )
     except ValueError as error:  # TargetError, PlanError and bad hardware are all ValueErrors
         sys.stderr.write(f"unison plan: error: {error}\n")
         return 2
-    sys.stdout.write((plan.to_json() if args.json else format_plan(args.target, plan)) + "\n")
+    if args.json:
+        report = plan.to_dict()
+        if measured is not None:
+            report["measured"] = [m.to_dict() for m in measured]
+        sys.stdout.write(json.dumps(report, indent=2) + "\n")
+        return 0
+    text = format_plan(args.target, plan)
+    if measured is not None:
+        text += (
+            f"\n\nmeasured on this machine ({plan.hardware.devices} processes, {args.measure_steps} timed "
+            "steps each, the slowest process's median):\n"
+            + "\n".join(plan_measure.format_measurements(measured))
+        )
+    sys.stdout.write(text + "\n")
     return 0
 
 
