@@ -173,6 +173,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         metavar="MODE",
         help="torch.compile's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
     )
+    training.add_argument(
+        *_spellings("peak-flops"),
+        type=float,
+        default=None,
+        metavar="FLOPS",
+        help="one device's peak FLOP/s, e.g. 1e12, for the MFU of scripts that report it (throughput."
+        "peak_flops) where unison's table has none: a CPU or an unlisted GPU",
+    )
     add_plugin_flags(parser)
     parser.add_argument(
         "-m", "--module", action="store_true", help="SCRIPT is a module name, run as `python -m SCRIPT`"
@@ -217,6 +225,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         plugin=plugin_from_flags(args),
         dynamo_backend=args.dynamo_backend,
         dynamo_mode=args.dynamo_mode,
+        peak_flops=args.peak_flops,
     )
 
 
