@@ -27,7 +27,7 @@ import importlib.util, pathlib, sys
 spec = importlib.util.find_spec("unison")
 assert spec is not None and pathlib.Path(spec.origin).resolve().parents[1] == (pathlib.Path.cwd() / "src").resolve()
 if sys.argv[1]:
-    import mlflow, numpy, pytest, pytest_timeout, safetensors, tensorboard, transformers, wandb  # noqa: F401
+    import matplotlib, mlflow, numpy, pytest, pytest_timeout, safetensors, tensorboard, tqdm, transformers, wandb  # noqa: F401
 PYCODE
 then
   echo "[install] installing unison${extras} from $(pwd)"

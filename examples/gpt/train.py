@@ -311,7 +311,8 @@ def main() -> None:
             f"epochs in all) in {elapsed:.1f} s"
         )
         accelerator.print(
-            f"metrics in {metrics}; plot them: unison plot {args.project_dir} -o {args.project_dir}/loss.png"
+            f"metrics in {metrics}; plot them: unison plot {args.project_dir} --metric loss "
+            f"--metric val_loss -o {args.project_dir}/loss.png"
         )
 
     # ---- a sample from the trained model, written by the main process. The weights are gathered into

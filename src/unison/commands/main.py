@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
-from . import env, estimate_memory, launch, plan
+from . import env, estimate_memory, launch, plan, plot
 
 
 class SuggestingParser(argparse.ArgumentParser):
@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     env.register(subcommands)
     estimate_memory.register(subcommands)
     plan.register(subcommands)
+    plot.register(subcommands)
     return parser
 
 
