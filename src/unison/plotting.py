@@ -14,6 +14,7 @@ import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 METRICS_FILE = "metrics.jsonl"
 """The file the `jsonl` tracker writes in PROJECT_DIR/RUN_NAME/."""
@@ -131,8 +132,16 @@ def choose_metrics(runs: list[Run], wanted: list[str] | None) -> list[str]:
 
 def draw(runs: list[Run], metrics: list[str], output: str | os.PathLike) -> Path:
     """Write a PNG of `metrics` (one subplot each, step on x) with every run's curve, and return its path."""
+    output = Path(output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure(runs, metrics).savefig(output)
+    return output
+
+
+def figure(runs: list[Run], metrics: list[str]) -> Any:
+    """The matplotlib Figure `draw` saves: one subplot per metric, run i's curves in colour Ci."""
     Figure, FigureCanvasAgg = _matplotlib()
-    figure = Figure(figsize=(8, 2.4 * len(metrics) + 0.6), layout="constrained")
+    figure = Figure(figsize=(8, 2.4 * len(metrics) + 0.6), dpi=100, layout="constrained")
     FigureCanvasAgg(figure)
     axes = figure.subplots(len(metrics), 1, sharex=True, squeeze=False)[:, 0]
     for ax, metric in zip(axes, metrics):
@@ -150,10 +159,7 @@ def draw(runs: list[Run], metrics: list[str], output: str | os.PathLike) -> Path
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     axes[0].legend(handles=_legend_handles(runs), loc="best", fontsize="small")
-    output = Path(output)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(output, dpi=100)
-    return output
+    return figure
 
 
 def _legend_handles(runs: list[Run]) -> list:
