@@ -7,6 +7,7 @@ import argparse
 from .. import launch_env
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
+from ..throughput import check_peak_flops
 from .plugin_flags import add_plugin_flags, plugin_from_flags
 
 DESCRIPTION = """\
@@ -175,7 +176,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     )
     training.add_argument(
         *_spellings("peak-flops"),
-        type=float,
+        type=_peak_flops,
         default=None,
         metavar="FLOPS",
         help="one device's peak FLOP/s, e.g. 1e12, for the MFU of scripts that report it (throughput."
@@ -188,6 +189,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("script", help="the Python script (or, with -m, module) to run in every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     parser.set_defaults(run=lambda args: run(args, parser))
+
+
+def _peak_flops(text: str) -> float:
+    """--peak-flops: a positive number of FLOP/s, checked here so a typo fails before any worker starts."""
+    try:
+        return check_peak_flops(text, "--peak-flops")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _spellings(*names: str) -> list[str]:
