@@ -156,10 +156,23 @@ def figure(runs: list[Run], metrics: list[str]) -> Any:
                     marker="." if len(steps) < 30 else None,
                 )
         ax.set_ylabel(metric)
+        _readable_range(ax)
         ax.grid(alpha=0.3)
     axes[-1].set_xlabel("step")
     axes[0].legend(handles=_legend_handles(runs), loc="best", fontsize="small")
     return figure
+
+
+def _readable_range(ax: Any) -> None:
+    """Tick labels as plain numbers, over a range of at least 0.1% of the values: runs that agree to 1e-7
+    (the same loss under DDP and ZeRO-3) then look equal, instead of far apart on a ±1e-7 axis labelled
+    with an offset."""
+    ax.ticklabel_format(axis="y", useOffset=False)
+    low, high = ax.get_ylim()
+    least = 1e-3 * max(abs(low), abs(high))
+    if high - low < least:
+        middle = (low + high) / 2
+        ax.set_ylim(middle - least / 2, middle + least / 2)
 
 
 def _legend_handles(runs: list[Run]) -> list:
