@@ -83,3 +83,6 @@ def test_launch_refuses_a_peak_that_is_not_a_positive_number(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["launch", "--cpu", "--peak-flops", "many", str(script)])
     assert "--peak-flops='many' is not a positive number of FLOP/s" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    assert "UNISON_PEAK_FLOPS=FLOPS" in capsys.readouterr().out  # among the variables it exports

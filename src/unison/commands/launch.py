@@ -28,6 +28,7 @@ _VARIABLES = [
     (f"{launch_env.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
     (f"{launch_env.DYNAMO_MODE}=MODE", "--dynamo-mode"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
+    (f"{launch_env.PEAK_FLOPS}=FLOPS", "--peak-flops (read by unison.throughput.peak_flops)"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
 
