@@ -76,12 +76,12 @@ def parse_args() -> argparse.Namespace:
     arg("--run-name", default="gpt", help="the run's folder in --project-dir, for its metrics.jsonl")
     arg("--save-every", type=int, default=100, help="checkpoint every N steps and at the end; 0: never")
     arg("--resume", action="store_true", help="continue from the newest checkpoint in --project-dir, if any")
-    arg("--log-interval", type=int, default=20, help="print the training loss every N steps")
+    arg("--log-interval", type=int, default=20, help="print and log the training loss every N steps")
     arg(
         "--eval-interval",
         type=int,
         default=100,
-        help="print the validation loss every N steps and at the end",
+        help="print and log the validation loss every N steps and at the end",
     )
     arg("--eval-batches", type=int, default=8, help="validation batches per process for each evaluation")
     arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end; 0: none")
@@ -228,7 +228,7 @@ def main() -> None:
                 f"resumed from {resumed_from} at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}"
             )
     metrics = Path(args.project_dir) / args.run_name / "metrics.jsonl"
-    if accelerator.is_main_process:
+    if args.resume and accelerator.is_main_process:
         drop_steps_after(metrics, accelerator.optimizer_steps)
     accelerator.init_trackers(args.run_name, config=vars(args))
 
@@ -302,6 +302,7 @@ def main() -> None:
                     f"in {seconds:.2f} s"
                 )
 
+    batches.close()  # ends the epoch's iteration where it stopped, as leaving a for loop over train_dl does
     elapsed = time.perf_counter() - start
     if step == first_step:
         accelerator.print(f"nothing to train: the run is at step {step} of --max-steps {args.max_steps}")
