@@ -84,6 +84,8 @@ class Throughput:
             ...
             meter.step(tokens=batch_tokens_on_all_processes, samples=batch_size_on_all_processes)
             accelerator.log(meter.compute(), step=step)
+            with meter.paused():  # not training time: left out of the rates
+                evaluate(...)
 
     MFU is None where the peak is unknown (a CPU) or no FLOPs per token were given.
     """
