@@ -27,7 +27,7 @@ cd "$workdir"
 "$venv_python" - <<'PYCODE'
 import importlib.util
 import unison
-for extra in ("pytest", "safetensors", "tensorboard", "transformers", "mlflow", "wandb"):  # test-only packages must not have come along
+for extra in ("pytest", "safetensors", "tensorboard", "transformers", "mlflow", "wandb", "matplotlib"):  # test-only packages must not have come along
     assert importlib.util.find_spec(extra) is None, f"{extra} is installed: the fresh env is not bare"
 print(f"[fresh env] import unison {unison.__version__} from {unison.__file__}")
 
@@ -59,3 +59,10 @@ echo "[fresh env] unison --help: ok"
 grep -Eq "step +5/5 \| val loss" "$workdir/example.log" \
   || { cat "$workdir/example.log"; echo "[fresh env] FAILED: the example did not reach step 5"; exit 1; }
 echo "[fresh env] GPT example, 2 processes, 5 steps: ok ($((SECONDS - started)) s in all)"
+# `unison plot` without matplotlib (the plot extra): an error that names the extra, not a traceback.
+if "$workdir/venv/bin/unison" plot "$workdir/run" > "$workdir/plot.log" 2>&1; then
+  cat "$workdir/plot.log"; echo "[fresh env] FAILED: unison plot ran without matplotlib"; exit 1
+fi
+grep -q "pip install 'unison\[plot\]'" "$workdir/plot.log" \
+  || { cat "$workdir/plot.log"; echo "[fresh env] FAILED: unison plot did not name its extra"; exit 1; }
+echo "[fresh env] unison plot without matplotlib names the extra: ok"

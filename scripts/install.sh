@@ -31,6 +31,7 @@ if sys.argv[1]:
     import sklearn  # noqa: F401
     import material, mkdocs, mkdocstrings_handlers.python  # noqa: F401
     import tomli_w, yaml  # noqa: F401
+    import matplotlib, tqdm  # noqa: F401
 PYCODE
 then
   echo "[install] installing unison${extras} from $(pwd)"

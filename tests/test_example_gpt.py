@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import math
 import re
 import shutil
@@ -148,7 +149,8 @@ def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_st
         *("--max-steps", 6, "--batch-size", 4, "--block-size", 16, "--n-layer", 1, "--n-head", 2),
         *("--n-embd", 32, "--log-interval", 2, "--eval-interval", 3, "--eval-batches", 2),
         *("--sample-chars", 40, "--warmup-steps", 2, "--project-dir", tmp_path, "--resume"),
-        launch_args=("--gradient-accumulation-steps", "2"),  # reaches Accelerator() through the env
+        # both reach the workers through the environment: Accelerator() and throughput.peak_flops()
+        launch_args=("--gradient-accumulation-steps", "2", "--peak-flops", "1e12"),
         timeout=120,
     )
     lines = result.stdout.splitlines()
@@ -179,6 +181,53 @@ def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_st
     assert "trained 6 steps (steps 1-6, " in result.stdout
     assert result.stdout.count("---- sample ----") == 1
     assert not any(line.startswith("[rank1]:") and "loss" in line for line in lines)
+
+    # the same values in PROJECT_DIR/gpt/metrics.jsonl, written by the main process alone (one line per
+    # log call, no second copy from rank 1), and MFU against --peak-flops 1e12 per process
+    metrics = tmp_path / "gpt" / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()]
+    assert [list(record) for record in records[:1]] == [["config"]] and records[0]["config"]["max_steps"] == 6
+    train = [record for record in records[1:] if "loss" in record]
+    val = [record for record in records[1:] if "val_loss" in record]
+    assert len(train) + len(val) == len(records) - 1
+    assert [record["step"] for record in train] == [1, 2, 4, 6] and [record["step"] for record in val] == [
+        3,
+        6,
+    ]
+    assert all(set(record) == {"step", "time", "loss", "lr", "tokens_per_s", "mfu"} for record in train)
+    assert [round(record["loss"], 4) for record in train] == losses
+    printed_val = [float(re.search(r"val loss (\d+\.\d+)", line).group(1)) for line in val_lines]
+    assert [round(record["val_loss"], 4) for record in val] == printed_val
+    for record, line in zip(train, loss_lines):
+        tokens_per_s = float(re.search(r"\| +([\d,]+) tok/s", line).group(1).replace(",", ""))
+        assert round(record["tokens_per_s"]) == tokens_per_s
+        # MFU = tokens/s x FLOPs per token / (peak x processes), FLOPs per token = 6N + 12 L d T
+        n_params = int(re.search(r"([\d,]+) parameters", result.stdout).group(1).replace(",", ""))
+        flops_per_token = 6 * n_params + 12 * 1 * 32 * 16
+        assert record["mfu"] == pytest.approx(record["tokens_per_s"] * flops_per_token / 2e12)
+        assert line.endswith(f"| MFU {record['mfu']:.1%}"), line
+    # the progress line (stderr, not a terminal: plain lines) ends at 6/6, from the main process only
+    progress = [line for line in result.stderr.splitlines() if "train: " in line and " it/s" in line]
+    assert progress and progress[-1].startswith("[rank0]: train: 6/6 (100%)"), result.stderr
+    assert all(line.startswith("[rank0]:") for line in progress), progress
+    # the plot command it prints runs as printed
+    plot_line = next(line for line in lines if "plot them: unison plot " in line)
+    command = plot_line.split("plot them: unison ", 1)[1].split()
+    assert command == [
+        "plot",
+        str(tmp_path),
+        "--metric",
+        "loss",
+        "--metric",
+        "val_loss",
+        "-o",
+        f"{tmp_path}/loss.png",
+    ]
+    plotted = subprocess.run(
+        [sys.executable, "-m", "unison", *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+    )
+    assert plotted.returncode == 0, plotted.stderr
+    assert f"wrote {tmp_path}/loss.png: loss, val_loss of gpt" in plotted.stdout
 
 
 def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
@@ -233,6 +282,13 @@ def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
         return [line.split(" | lr")[0] if "| loss " in line else line for line in lines]
 
     assert tail(resumed) == tail(first) and len(tail(first)) == 3
+
+    # one metrics.jsonl across the three runs: what the first logged after checkpoint_4 was dropped
+    # when the second resumed there and logged steps 5-6 again, so each step is in it once
+    records = [json.loads(line) for line in (tmp_path / "gpt" / "metrics.jsonl").read_text().splitlines()]
+    assert sum("config" in record for record in records) == 3
+    assert [record["step"] for record in records if "loss" in record] == [1, 2, 3, 4, 5, 6]
+    assert [record["step"] for record in records if "val_loss" in record] == [6]
 
 
 def test_train_py_help_gives_every_option_a_help_text_and_shows_every_default(monkeypatch, capsys):

@@ -7,6 +7,7 @@ import time
 import pytest
 import torch
 
+from unison.commands.main import main
 from unison.throughput import PEAK_BF16_FLOPS, Throughput, peak_flops, transformer_flops_per_token
 
 
@@ -41,3 +42,47 @@ def test_the_meter_divides_what_the_loop_reports_by_the_time_it_took():
     assert (meter.tokens, meter.samples, meter.steps) == (0, 0, 0)
     with pytest.raises(ValueError, match=r"devices=0"):
         Throughput(devices=0)
+
+
+def test_paused_time_does_not_count_against_the_rate():
+    meter = Throughput()
+    meter.step(tokens=100)
+    with meter.paused():  # an evaluation or a checkpoint between steps
+        time.sleep(0.3)
+    assert meter.elapsed < 0.2 and meter.compute()["tokens_per_s"] > 100 / 0.2
+
+
+def test_a_peak_given_by_the_user_wins_over_the_table_and_is_checked(monkeypatch):
+    monkeypatch.delenv("UNISON_PEAK_FLOPS", raising=False)
+    assert peak_flops(torch.device("cpu"), override=2e12) == 2e12
+    assert peak_flops(torch.device("cpu"), override="5e11") == 5e11
+    monkeypatch.setenv("UNISON_PEAK_FLOPS", "3e12")  # what `unison launch --peak-flops 3e12` exports
+    assert peak_flops(torch.device("cpu")) == 3e12
+    assert peak_flops(torch.device("cpu"), override=1e12) == 1e12  # the argument beats the variable
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    assert peak_flops(torch.device("cuda", 0)) == 3e12  # and the table (a user knows their clocks)
+    monkeypatch.setenv("UNISON_PEAK_FLOPS", "fast")
+    with pytest.raises(ValueError, match=r"UNISON_PEAK_FLOPS='fast' is not a positive number of FLOP/s"):
+        peak_flops(torch.device("cpu"))
+    for bad in (0, -1e12, float("inf"), float("nan")):
+        with pytest.raises(
+            ValueError, match=r"peak_flops=.* is not a positive number of FLOP/s: .* e\.g\. 1e12"
+        ):
+            peak_flops(torch.device("cpu"), override=bad)
+
+
+def test_launch_refuses_a_peak_that_is_not_a_positive_number(tmp_path, capsys):
+    script = tmp_path / "train.py"
+    script.write_text("")
+    with pytest.raises(SystemExit) as stop:
+        main(["launch", "--cpu", "--peak-flops", "-5", str(script)])
+    assert stop.value.code == 2
+    assert "--peak-flops='-5' is not a positive number of FLOP/s: give one device's peak, e.g. 1e12" in (
+        capsys.readouterr().err
+    )
+    with pytest.raises(SystemExit):
+        main(["launch", "--cpu", "--peak-flops", "many", str(script)])
+    assert "--peak-flops='many' is not a positive number of FLOP/s" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["launch", "--help"])
+    assert "UNISON_PEAK_FLOPS=FLOPS" in capsys.readouterr().out  # among the variables it exports

@@ -17,11 +17,15 @@ place of `loss = model(x, y)[1]; accelerator.backward(loss)`, since under pipeli
 process holds the whole model; in every other layout it is exactly those two lines.
 
 Every log line is printed by the main process only; losses are averaged over all processes first.
+The same values go to PROJECT_DIR/RUN_NAME/metrics.jsonl (the `jsonl` tracker) for `unison plot`, and
+a progress line (a bar on a terminal) goes to stderr. MFU is shown where the device's peak FLOP/s is
+known: a data-centre GPU, or any device with --peak-flops (docs/tracking.md).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import time
 from pathlib import Path
@@ -33,7 +37,7 @@ from model import GPT, GPTConfig
 from torch.utils.data import DataLoader, Subset
 
 from unison import Accelerator, ProjectConfiguration, set_seed
-from unison.throughput import peak_flops, transformer_flops_per_token
+from unison.throughput import Throughput, check_peak_flops, peak_flops, transformer_flops_per_token
 
 
 def parse_args() -> argparse.Namespace:
@@ -64,19 +68,39 @@ def parse_args() -> argparse.Namespace:
     arg("--mixed-precision", choices=["no", "bf16", "fp16"], help="default: the launcher's, else no")
     arg("--cpu", action="store_true", help="train on the CPU even if a GPU is visible")
     arg("--seed", type=int, default=1337, help="seeds the weights, the shuffle and the sample")
-    arg("--project-dir", default="runs/gpt", help="checkpoints go to PROJECT_DIR/checkpoints/")
+    arg(
+        "--project-dir",
+        default="runs/gpt",
+        help="checkpoints go to PROJECT_DIR/checkpoints/, metrics to PROJECT_DIR/RUN_NAME/metrics.jsonl",
+    )
+    arg("--run-name", default="gpt", help="the run's folder in --project-dir, for its metrics.jsonl")
     arg("--save-every", type=int, default=100, help="checkpoint every N steps and at the end; 0: never")
     arg("--resume", action="store_true", help="continue from the newest checkpoint in --project-dir, if any")
-    arg("--log-interval", type=int, default=20, help="print the training loss every N steps")
+    arg("--log-interval", type=int, default=20, help="print and log the training loss every N steps")
     arg(
         "--eval-interval",
         type=int,
         default=100,
-        help="print the validation loss every N steps and at the end",
+        help="print and log the validation loss every N steps and at the end",
     )
     arg("--eval-batches", type=int, default=8, help="validation batches per process for each evaluation")
     arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end; 0: none")
+    arg(
+        "--peak-flops",
+        type=positive_flops,
+        default=None,
+        help="one device's peak FLOP/s, e.g. 1e12, to show MFU where unison's table has none (a CPU, an "
+        "unlisted GPU; default: the table's, or UNISON_PEAK_FLOPS as `unison launch --peak-flops` sets it)",
+    )
     return parser.parse_args()
+
+
+def positive_flops(text: str) -> float:
+    """--peak-flops: a number of FLOP/s above 0, or argparse's usage error naming the fix."""
+    try:
+        return check_peak_flops(text, "--peak-flops")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
@@ -92,6 +116,25 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefau
 def megabytes(directory: Path) -> float:
     """The size of everything under `directory`, in MB."""
     return sum(file.stat().st_size for file in directory.rglob("*") if file.is_file()) / 1e6
+
+
+def drop_steps_after(metrics: Path, step: int) -> None:
+    """Forget what an interrupted run logged after the checkpoint it resumes from: those steps are
+    trained again, and logged again, so the metrics file keeps one line per step."""
+    if not metrics.is_file():
+        return
+    lines = metrics.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.endswith("\n") and (json.loads(line).get("step") or 0) <= step]
+    if len(kept) < len(lines):  # and a last line cut short by the interruption
+        metrics.write_text("".join(kept))
+
+
+def micro_batches(train_dl, epoch: int):
+    """train_dl's batches epoch after epoch, from `epoch` on (a resumed run's position inside it kept)."""
+    while True:
+        train_dl.set_epoch(epoch)  # the epoch, for the dataset and a resumed run's position
+        yield from train_dl
+        epoch += 1
 
 
 def lr_lambda(warmup_steps: int, max_steps: int, min_ratio: float):
@@ -128,6 +171,7 @@ def main() -> None:
         mixed_precision=args.mixed_precision,
         cpu=args.cpu or None,
         project_config=ProjectConfiguration(project_dir=args.project_dir, total_limit=2),
+        log_with="jsonl",
     )
     # Identical initial weights on every process; the shuffle is the plain DataLoader's, drawn from
     # process 0's generator and shared by all (docs/data-order.md).
@@ -183,13 +227,19 @@ def main() -> None:
             accelerator.print(
                 f"resumed from {resumed_from} at step {accelerator.optimizer_steps}, epoch {train_dl.epoch}"
             )
+    metrics = Path(args.project_dir) / args.run_name / "metrics.jsonl"
+    if args.resume and accelerator.is_main_process:
+        drop_steps_after(metrics, accelerator.optimizer_steps)
+    accelerator.init_trackers(args.run_name, config=vars(args))
 
     accum = accelerator.gradient_accumulation_steps
     steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
-    # model FLOPs utilisation where the device's peak is known (a data-centre GPU; not a CPU): nanoGPT's
-    # 6N + 12·L·d·T FLOPs per token against every process's device together
+    # model FLOPs utilisation where the device's peak is known (a data-centre GPU, or --peak-flops):
+    # nanoGPT's 6N + 12·L·d·T FLOPs per token against every process's device together
     flops_per_token = transformer_flops_per_token(n_params, args.n_layer, args.n_embd, args.block_size)
-    peak, world = peak_flops(accelerator.device), accelerator.num_processes
+    meter = Throughput(
+        flops_per_token, peak_flops(accelerator.device, args.peak_flops), accelerator.num_processes
+    )
     accelerator.print(
         f"{accelerator.num_processes} process(es) on {accelerator.device} | layout "
         f"{accelerator.parallelism.describe()} | mixed precision {accelerator.mixed_precision} | "
@@ -199,15 +249,14 @@ def main() -> None:
         f"step | {steps_per_epoch} steps per epoch"
     )
 
-    # ---- train
-    first_step = step = accelerator.optimizer_steps  # 0, or where --resume picked up
-    epoch = train_dl.epoch
+    # ---- train: one iteration per optimizer step, each of `accum` micro-batches (fewer at an epoch's end)
+    first_step = accelerator.optimizer_steps  # 0, or where --resume picked up
+    step, batches = first_step, micro_batches(train_dl, train_dl.epoch)
     loss_sum, micro_steps, tokens = torch.zeros((), device=accelerator.device), 0, 0
-    last_log_step = step
-    start = last_log = time.perf_counter()
-    while step < args.max_steps:
-        train_dl.set_epoch(epoch)  # the epoch, for the dataset and a resumed run's position
-        for x, y in train_dl:
+    start = time.perf_counter()
+    for step in accelerator.progress(range(first_step + 1, args.max_steps + 1), desc="train"):
+        while True:
+            x, y = next(batches)
             with accelerator.accumulate(model):
                 # forward + backward (divided by the accumulation steps); a pipeline's whole schedule
                 loss = accelerator.forward_backward(model, x, y, next_token_loss)
@@ -219,30 +268,31 @@ def main() -> None:
             loss_sum += loss
             micro_steps += 1
             tokens += x.numel() * dp_size
-            if not accelerator.sync_gradients:
-                continue
+            if accelerator.sync_gradients:
+                break
+        meter.step(tokens=tokens)
+        tokens = 0
 
-            step += 1
-            if step == 1 or step % args.log_interval == 0 or step == args.max_steps:
-                # the mean loss of this process's micro-steps since the last line, then of all processes
-                train_loss = accelerator.reduce(loss_sum / micro_steps, "mean").item()
-                seconds = time.perf_counter() - last_log
-                lr = scheduler.get_last_lr()[0]
-                ms_per_step = 1000 * seconds / (step - last_log_step)
-                rate = tokens / seconds
-                mfu = "" if peak is None else f" | MFU {rate * flops_per_token / (peak * world):.1%}"
-                accelerator.print(
-                    f"step {step:5d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
-                    f"{rate:7,.0f} tok/s | {ms_per_step:4.0f} ms/step{mfu}"
-                )
-                loss_sum.zero_()
-                micro_steps = tokens = 0
-                last_log, last_log_step = time.perf_counter(), step
+        if step == 1 or step % args.log_interval == 0 or step == args.max_steps:
+            # the mean loss of this process's micro-steps since the last line, then of all processes
+            train_loss = accelerator.reduce(loss_sum / micro_steps, "mean").item()
+            rates, lr = meter.compute(), scheduler.get_last_lr()[0]
+            ms_per_step = 1000 * meter.elapsed / meter.steps
+            mfu = f" | MFU {rates['mfu']:.1%}" if "mfu" in rates else ""
+            accelerator.print(
+                f"step {step:5d}/{args.max_steps} | loss {train_loss:.4f} | lr {lr:.2e} | "
+                f"{rates['tokens_per_s']:7,.0f} tok/s | {ms_per_step:4.0f} ms/step{mfu}"
+            )
+            rates.pop("samples_per_s")
+            accelerator.log({"loss": train_loss, "lr": lr, **rates}, step=step)
+            loss_sum.zero_()
+            micro_steps = 0
+            meter.reset()
+        with meter.paused():  # evaluation and checkpoints do not count against tokens/s and MFU
             if step % args.eval_interval == 0 or step == args.max_steps:
-                began = time.perf_counter()
                 val_loss = evaluate(model, val_dl, accelerator)
                 accelerator.print(f"step {step:5d}/{args.max_steps} | val loss {val_loss:.4f}")
-                last_log += time.perf_counter() - began  # evaluation time does not count against tokens/s
+                accelerator.log({"val_loss": val_loss}, step=step)
             if args.save_every and (step % args.save_every == 0 or step == args.max_steps):
                 began = time.perf_counter()
                 path = accelerator.save_state()  # every process takes part; the main process writes
@@ -251,11 +301,8 @@ def main() -> None:
                     f"step {step:5d}/{args.max_steps} | saved {path} ({megabytes(path):.1f} MB) "
                     f"in {seconds:.2f} s"
                 )
-                last_log += seconds
-            if step == args.max_steps:
-                break
-        epoch += 1
 
+    batches.close()  # ends the epoch's iteration where it stopped, as leaving a for loop over train_dl does
     elapsed = time.perf_counter() - start
     if step == first_step:
         accelerator.print(f"nothing to train: the run is at step {step} of --max-steps {args.max_steps}")
@@ -263,6 +310,10 @@ def main() -> None:
         accelerator.print(
             f"trained {step - first_step} steps (steps {first_step + 1}-{step}, {step / steps_per_epoch:.2f} "
             f"epochs in all) in {elapsed:.1f} s"
+        )
+        accelerator.print(
+            f"metrics in {metrics}; plot them: unison plot {args.project_dir} --metric loss "
+            f"--metric val_loss -o {args.project_dir}/loss.png"
         )
 
     # ---- a sample from the trained model, written by the main process. The weights are gathered into

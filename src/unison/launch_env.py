@@ -17,6 +17,7 @@ configured without touching the script.
 | UNISON_DYNAMO_BACKEND                | dynamo_backend                | no, inductor, ... |
 | UNISON_DYNAMO_MODE                   | TorchDynamoPlugin(mode=...)   | default, max-autotune, ... |
 | UNISON_DEBUG                         | (none: `unison launch --debug`) | 1/true or 0/false |
+| UNISON_PEAK_FLOPS                    | (none: throughput.peak_flops) | FLOP/s > 0, e.g. 1e12 |
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}
 DEBUG = "UNISON_DEBUG"  # check every collective's operation and shapes across ranks (state.debug_mode)
 DYNAMO_BACKEND = "UNISON_DYNAMO_BACKEND"  # torch.compile backend of prepare() (parallel/compiling.py)
 DYNAMO_MODE = "UNISON_DYNAMO_MODE"
+PEAK_FLOPS = "UNISON_PEAK_FLOPS"  # one device's peak FLOP/s for MFU where the table has none (throughput.py)
 LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
 CONFIG_SOURCES = "UNISON_CONFIG_SOURCES"  # JSON {setting: [value, origin]}, for `unison env` (launch_config)
 
@@ -47,6 +49,7 @@ ALL = (
     DEBUG,
     DYNAMO_BACKEND,
     DYNAMO_MODE,
+    PEAK_FLOPS,
     LAUNCHER_PID,
     CONFIG_SOURCES,
 )

@@ -45,6 +45,7 @@ from .parallel.checkpointing import normalize_mode
 from .parallel.config import ParallelismConfig, auto_options, is_auto
 from .plugins import layout_of, read_plugin
 from .state import validate_mixed_precision
+from .throughput import check_peak_flops
 
 logger = logging.getLogger("unison")
 
@@ -98,6 +99,7 @@ class LaunchOptions:
     plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
     dynamo_backend: str | None = None  # --dynamo-backend: torch.compile at prepare() (parallel/compiling.py)
     dynamo_mode: str | None = None
+    peak_flops: float | None = None  # --peak-flops: one device's FLOP/s for MFU (launch_env.PEAK_FLOPS)
 
 
 def usable_cpu_count() -> int:
@@ -170,6 +172,11 @@ def validate(options: LaunchOptions) -> int:
             f"--timeout {options.timeout:g} is not a positive number of seconds: a collective needs a "
             "finite limit so a stuck process cannot hang the others forever. Pass e.g. --timeout 600."
         )
+    if options.peak_flops is not None:
+        try:
+            check_peak_flops(options.peak_flops, "--peak-flops")
+        except ValueError as error:
+            raise LaunchError(str(error)) from None
     if options.max_restarts < 0:
         raise LaunchError(f"--max-restarts {options.max_restarts} is negative: pass 0 (no restart) or more.")
     min_nodes, max_nodes = parse_nnodes(options.nnodes)
@@ -561,6 +568,8 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
         )
         if options.debug:
             env[launch_env.DEBUG] = "1"
+        if options.peak_flops is not None:
+            env[launch_env.PEAK_FLOPS] = repr(float(options.peak_flops))
         env.update(compile_variables(options))
         if sources is not None:
             env[launch_env.CONFIG_SOURCES] = sources

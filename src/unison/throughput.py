@@ -4,14 +4,21 @@ MFU as nanoGPT and PaLM (Chowdhery et al. 2022, appendix B) count it: a transfor
 costs 6·N FLOPs per token for the matrix multiplications with its N weights (forward 2N, backward 4N)
 plus 12·L·d·T for attention's scores and weighted sum (L blocks of width d over T tokens of context);
 recomputation is not counted. The peak is the device's dense bf16 rate from the table below (NVIDIA's
-data sheets), or one given by the user; a CPU has no entry, so no MFU is shown there.
+data sheets), or one given by the user (`peak_flops(device, override=...)`, or UNISON_PEAK_FLOPS, which
+`unison launch --peak-flops X` exports); a CPU has no entry, so without one no MFU is shown there.
 """
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
 import time
+from collections.abc import Iterator
 
 import torch
+
+from . import launch_env
 
 PEAK_BF16_FLOPS = {
     "B200": 2250e12,
@@ -26,8 +33,27 @@ PEAK_BF16_FLOPS = {
 so a more specific name comes before the family's."""
 
 
-def peak_flops(device: torch.device) -> float | None:
-    """The device's dense bf16 peak from PEAK_BF16_FLOPS, or None (a CPU, an unknown GPU)."""
+def check_peak_flops(value: float | str, name: str = "peak_flops") -> float:
+    """`value` as a float if it is a finite number of FLOP/s above 0, else a ValueError naming the fix."""
+    try:
+        peak = float(value)
+    except (TypeError, ValueError):
+        peak = math.nan
+    if not (math.isfinite(peak) and peak > 0):
+        raise ValueError(
+            f"{name}={value!r} is not a positive number of FLOP/s: give one device's peak, e.g. 1e12 for "
+            "1 TFLOP/s (an H100's dense bf16 peak is 989e12)."
+        )
+    return peak
+
+
+def peak_flops(device: torch.device, override: float | str | None = None) -> float | None:
+    """One device's peak FLOP/s: `override` if given, else UNISON_PEAK_FLOPS if set, else the dense bf16
+    peak from PEAK_BF16_FLOPS; None where none is known (a CPU, an unlisted GPU), so MFU is not shown."""
+    if override is not None:
+        return check_peak_flops(override)
+    if os.environ.get(launch_env.PEAK_FLOPS, "").strip():
+        return check_peak_flops(os.environ[launch_env.PEAK_FLOPS].strip(), launch_env.PEAK_FLOPS)
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
@@ -58,6 +84,8 @@ class Throughput:
             ...
             meter.step(tokens=batch_tokens_on_all_processes, samples=batch_size_on_all_processes)
             accelerator.log(meter.compute(), step=step)
+            with meter.paused():  # not training time: left out of the rates
+                evaluate(...)
 
     MFU is None where the peak is unknown (a CPU) or no FLOPs per token were given.
     """
@@ -81,9 +109,24 @@ class Throughput:
         self.samples += samples
         self.steps += 1
 
+    @property
+    def elapsed(self) -> float:
+        """Seconds counted since the start, without the time spent in `paused()`."""
+        return time.perf_counter() - self.started
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        """Time spent inside does not count: an evaluation or a checkpoint between steps is not training,
+        and would otherwise lower the tokens/s and MFU of the steps around it."""
+        began = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.started += time.perf_counter() - began
+
     def compute(self) -> dict[str, float]:
         """{"tokens_per_s", "samples_per_s", "mfu" (when known)} since the start."""
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        elapsed = max(self.elapsed, 1e-9)
         result = {"tokens_per_s": self.tokens / elapsed, "samples_per_s": self.samples / elapsed}
         if self.flops_per_token is not None and self.peak is not None:
             result["mfu"] = result["tokens_per_s"] * self.flops_per_token / (self.peak * self.devices)

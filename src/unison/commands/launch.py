@@ -8,6 +8,7 @@ from .. import launch_env
 from ..launch_config import ConfigError
 from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
+from ..throughput import check_peak_flops
 from .launch_config_flags import add_config_flag, apply_config_file, file_note
 from .plugin_flags import add_plugin_flags, plugin_from_flags
 
@@ -29,6 +30,7 @@ _VARIABLES = [
     (f"{launch_env.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
     (f"{launch_env.DYNAMO_MODE}=MODE", "--dynamo-mode"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
+    (f"{launch_env.PEAK_FLOPS}=FLOPS", "--peak-flops (read by unison.throughput.peak_flops)"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
 
@@ -178,6 +180,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         metavar="MODE",
         help="torch.compile's mode: default, reduce-overhead, max-autotune, max-autotune-no-cudagraphs",
     )
+    training.add_argument(
+        *_spellings("peak-flops"),
+        type=_peak_flops,
+        default=None,
+        metavar="FLOPS",
+        help="one device's peak FLOP/s, e.g. 1e12, for the MFU of scripts that report it (throughput."
+        "peak_flops) where unison's table has none: a CPU or an unlisted GPU",
+    )
     add_plugin_flags(parser)
     add_config_flag(parser)
     parser.add_argument(
@@ -186,6 +196,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("script", help="the Python script (or, with -m, module) to run in every process")
     parser.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments passed on to the script")
     parser.set_defaults(run=lambda args: run(args, parser))
+
+
+def _peak_flops(text: str) -> float:
+    """--peak-flops: a positive number of FLOP/s, checked here so a typo fails before any worker starts."""
+    try:
+        return check_peak_flops(text, "--peak-flops")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 def _spellings(*names: str) -> list[str]:
@@ -221,6 +239,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         "plugin": plugin_from_flags(args),
         "dynamo_backend": args.dynamo_backend,
         "dynamo_mode": args.dynamo_mode,
+        "peak_flops": args.peak_flops,
     }
     return LaunchOptions(
         script=args.script,

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
-from . import config, env, estimate_memory, launch, plan
+from . import config, env, estimate_memory, launch, plan, plot
 
 
 class SuggestingParser(argparse.ArgumentParser):
@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     config.register(subcommands)
     estimate_memory.register(subcommands)
     plan.register(subcommands)
+    plot.register(subcommands)
     return parser
 
 

@@ -14,9 +14,9 @@ from .base import GeneralTracker, build_trackers
 class TrackingMethods:
     """init_trackers / log / get_tracker / finish_trackers / progress."""
 
-    _last_logged: dict[
-        str, Any
-    ] = {}  # the values of the last log() call, for progress(); per instance once set
+    # the latest value of each name passed to log(), for progress(): an evaluation's val_loss logged at
+    # its own call does not hide the training loss; a new dict per call (progress() compares identity)
+    _last_logged: dict[str, Any] = {}
 
     def init_trackers(
         self,
@@ -47,7 +47,7 @@ class TrackingMethods:
         Not collective: the values are this process's (reduce them first for a global metric).
         log_kwargs: tracker name -> options for that tracker's log().
         """
-        self._last_logged = dict(values)
+        self._last_logged = {**self._last_logged, **values}
         for tracker in self.trackers:
             tracker.log(values, step=step, **(log_kwargs or {}).get(tracker.name, {}))
 
@@ -60,7 +60,8 @@ class TrackingMethods:
     ) -> Iterable:
         """`iterable` (or range(total)) with a progress display on the main process: a tqdm bar on a
         terminal (the `progress` extra), else a line every `interval` seconds (default 30); step/total,
-        rate, time left, and the values last passed to `log()`. Other processes iterate it plainly.
+        rate, time left, and the latest value of each name passed to `log()`. Other processes iterate
+        it plainly.
 
             for batch in accelerator.progress(loader, desc="train"):
                 ...
