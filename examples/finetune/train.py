@@ -198,8 +198,8 @@ def main() -> None:
     )
     accelerator.print(f"step {0:4d} | val loss {evaluate(model, val_dl, accelerator):.4f}")
 
-    # per process since the last line: summed loss, counted tokens, sum of per-micro-batch means, micro-batches
-    window = torch.zeros(4, dtype=torch.float64, device=accelerator.device)
+    # this process's since the last line: summed loss, counted tokens, sum of micro-batch means, micro-batches
+    window = torch.zeros(4, device=accelerator.device)
     counts: list[torch.Tensor] = []  # counted tokens of each micro-batch since the last line
     step = 0
     while step < args.max_steps:
@@ -214,8 +214,8 @@ def main() -> None:
                     accelerator.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad()
-            loss = summed.detach().double()
-            window += torch.stack([loss, count.double(), loss / count, torch.ones_like(loss)])
+            loss = summed.detach()
+            window += torch.stack([loss, count.to(loss.dtype), loss / count, torch.ones_like(loss)])
             counts.append(count)
             if not accelerator.sync_gradients:
                 continue
