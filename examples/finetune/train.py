@@ -38,57 +38,57 @@ MAKE_ONE = (
 )
 
 
+def positive(value: str) -> int:
+    """argparse type: an integer >= 1 (a count of steps, windows or batches)."""
+    number = int(value)
+    if number < 1:
+        raise argparse.ArgumentTypeError(
+            f"{value} is not allowed: it counts steps or batches, pass 1 or more"
+        )
+    return number
+
+
 def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
-        description=__doc__,
-        formatter_class=lambda prog: argparse.RawDescriptionHelpFormatter(prog, max_help_position=32),
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     arg = parser.add_argument
+    arg("--init-from", default="runs/gpt", help="the GPT example's --project-dir or one of its checkpoints")
     arg(
-        "--init-from",
-        default="runs/gpt",
-        help="the GPT example's --project-dir (its newest checkpoint) "
-        "or one checkpoint directory (default: runs/gpt)",
-    )
-    arg(
-        "--n-head",
-        type=int,
-        default=4,
-        help="attention heads of that GPT: its --n-head (default: 4); the "
-        "other sizes are read from the checkpoint's tensors",
+        "--n-head", type=int, default=4, help="the GPT's --n-head (its other sizes are read from its tensors)"
     )
     arg(
         "--base-data",
         default=None,
-        help="the GPT's --data, which fixed its vocabulary (default: the stdlib source, as the GPT example)",
+        help="the GPT's --data, which made its vocabulary (default: stdlib source)",
     )
     arg(
         "--data",
         default=None,
-        help="a .py file or folder to fine-tune on (default: 300,000 characters of "
-        "stdlib source after the GPT's corpus)",
+        help="a .py file or folder of them to fine-tune on (default: 300,000 characters of stdlib source "
+        "after the GPT's corpus)",
     )
     arg(
         "--normalize",
         choices=["global", "per-batch"],
         default="global",
-        help="global: summed loss and "
-        "num_items (every counted token weighs the same); per-batch: each micro-batch's own mean, the "
-        "usual recipe (default: global)",
+        help="global: summed loss and num_items, every counted token weighs the same; per-batch: each "
+        "micro-batch's own mean, the usual recipe",
     )
-    arg("--max-steps", type=int, default=100, help="optimizer steps (default: 100)")
-    arg("--batch-size", type=int, default=4, help="windows per micro-batch, per process (default: 4)")
-    arg("--grad-accum", type=int, default=2, help="micro-batches per optimizer step (default: 2)")
-    arg("--lr", type=float, default=1e-3, help="AdamW learning rate, constant (default: 1e-3)")
-    arg("--seed", type=int, default=1337, help="seeds the shuffle (default: 1337)")
-    arg("--log-interval", type=int, default=10, help="print the losses every N steps (default: 10)")
-    arg("--val-batches", type=int, default=8, help="validation batches per process (default: 8)")
-    arg(
-        "--project-dir",
-        default="runs/finetune",
-        help="the fine-tuned state is saved to PROJECT_DIR/checkpoints/ at the end (default: runs/finetune)",
-    )
+    arg("--max-steps", type=positive, default=100, help="optimizer steps")
+    arg("--batch-size", type=positive, default=4, help="windows per micro-batch, per process")
+    arg("--grad-accum", type=positive, default=2, help="micro-batches per optimizer step")
+    arg("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
+    arg("--seed", type=int, default=1337, help="seeds the shuffle")
+    arg("--log-interval", type=positive, default=10, help="print the training losses every N steps")
+    arg("--val-batches", type=positive, default=8, help="validation batches per process")
+    arg("--project-dir", default="runs/finetune", help="the end state is saved to PROJECT_DIR/checkpoints/")
     return parser.parse_args()
+
+
+class HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """--help keeps the description's layout and shows each default, except None (the help says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        return action.help if action.default is None else super()._get_help_string(action)
 
 
 def find_checkpoint(init_from: str) -> Path:
@@ -183,6 +183,11 @@ def main() -> None:
     # the loader's own generator: the order depends on --seed alone, on any number of processes
     shuffle = torch.Generator().manual_seed(args.seed)
     train_dl = DataLoader(train_ds, args.batch_size, shuffle=True, drop_last=True, generator=shuffle)
+    if len(train_ds) < args.batch_size * accelerator.num_processes:
+        raise ValueError(
+            f"{len(train_ds)} training windows cannot give each of {accelerator.num_processes} process(es) a "
+            f"batch of --batch-size {args.batch_size}: pass a smaller --batch-size or more --data."
+        )
     val_windows = range(min(len(val_ds), args.val_batches * args.batch_size * accelerator.num_processes))
     val_dl = DataLoader(torch.utils.data.Subset(val_ds, val_windows), args.batch_size)
 
