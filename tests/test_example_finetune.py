@@ -61,7 +61,7 @@ def _finetune_args(gpt_project: Path, out: Path, batch: int, accum: int, normali
     return [
         *("--init-from", str(gpt_project), "--n-head", "2", "--max-steps", "3", "--log-interval", "1"),
         *("--batch-size", str(batch), "--grad-accum", str(accum), "--normalize", normalize),
-        *("--val-batches", "1", "--project-dir", str(out)),
+        *("--project-dir", str(out)),
     ]
 
 
@@ -109,6 +109,10 @@ def _logged(out: str) -> list[tuple[float, float]]:
     return [tuple(map(float, match)) for match in re.findall(pattern, out)]
 
 
+def _val_losses(out: str) -> list[float]:
+    return [float(value) for value in re.findall(r"val loss (\d+\.\d+)", out)]
+
+
 def test_finetune_normalizes_by_the_global_count_on_any_split(gpt_project, tmp_path):
     """2 processes x 2 micro-steps: step 1's two losses are the references computed here, and the weights
     after 3 steps are those of 1 process x 4 micro-steps; trained on per-micro-batch means, they are not."""
@@ -122,8 +126,11 @@ def test_finetune_normalizes_by_the_global_count_on_any_split(gpt_project, tmp_p
     assert abs(per_token - mean_of_means) > 5e-4, (per_token, mean_of_means)  # and differ
     assert "[rank0]: saved " + str(tmp_path / "two" / "checkpoints" / "checkpoint_3") in two.stdout
 
-    _run(str(script), *_finetune_args(gpt_project, tmp_path / "one", 2, 4, "global"))
+    one = _run(str(script), *_finetune_args(gpt_project, tmp_path / "one", 2, 4, "global"))
     assert _max_difference(_weights(tmp_path / "two"), _weights(tmp_path / "one")) < 1e-5
+    # the validation loss covers every validation window once, however many processes share them
+    assert _val_losses(two.stdout) == pytest.approx(_val_losses(one), abs=2e-4)
+    assert len(_val_losses(one)) == 2 and _val_losses(one)[1] < _val_losses(one)[0]  # and it trains
 
     # the usual recipe, per-micro-batch means, on the same split: the weights end elsewhere (one micro-batch
     # of all 8 windows per step would give the global mean again, so the split decides where)

@@ -79,7 +79,6 @@ def parse_args() -> argparse.Namespace:
     arg("--lr", type=float, default=1e-3, help="AdamW learning rate (constant)")
     arg("--seed", type=int, default=1337, help="seeds the shuffle")
     arg("--log-interval", type=positive, default=10, help="print the training losses every N steps")
-    arg("--val-batches", type=positive, default=8, help="validation batches per process")
     arg("--project-dir", default="runs/finetune", help="the end state is saved to PROJECT_DIR/checkpoints/")
     return parser.parse_args()
 
@@ -143,14 +142,17 @@ def masked_losses(model, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.T
 
 @torch.no_grad()
 def evaluate(model, val_dl, accelerator: Accelerator) -> float:
-    """Validation loss per counted token, over every process's batches: summed losses / global count."""
+    """Validation loss per counted token over the whole validation set: every window's summed loss and
+    count, gathered without the windows repeated to even out the processes' last batches."""
     model.eval()
     total = torch.zeros(2, device=accelerator.device)
     for x, labels in val_dl:
-        summed, count = masked_losses(model, x, labels)
-        total += torch.stack([summed, count.to(summed.dtype)])
+        logits, _ = model(x)
+        losses = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=IGNORE, reduction="none")
+        per_window = torch.stack([losses.sum(1), (labels != IGNORE).sum(1).to(losses.dtype)], 1)
+        total += accelerator.gather_for_metrics(per_window).sum(0)  # inside the loop: it knows the batch
     model.train()
-    loss_sum, count = accelerator.reduce(total, "sum")
+    loss_sum, count = total
     return (loss_sum / count).item()
 
 
@@ -188,8 +190,7 @@ def main() -> None:
             f"{len(train_ds)} training windows cannot give each of {accelerator.num_processes} process(es) a "
             f"batch of --batch-size {args.batch_size}: pass a smaller --batch-size or more --data."
         )
-    val_windows = range(min(len(val_ds), args.val_batches * args.batch_size * accelerator.num_processes))
-    val_dl = DataLoader(torch.utils.data.Subset(val_ds, val_windows), args.batch_size)
+    val_dl = DataLoader(val_ds, batch_size=64)  # forward only: larger batches cost no more memory here
 
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     model, optimizer, train_dl, val_dl = accelerator.prepare(model, optimizer, train_dl, val_dl)
