@@ -9,9 +9,10 @@ docstrings are targets (the others are labelled -100), so the number of counted 
 between micro-batches and processes. Each micro-step back-propagates the loss *summed* over its
 counted tokens with `accelerator.backward(loss, num_items=count)`; unison divides the step's
 gradients by the count over all processes and micro-steps, so each token weighs the same wherever it
-landed, and the run ends with the same weights on any number of processes. Every log line prints that
-loss (summed losses / global count) beside the usual recipe's number (each micro-batch's own mean,
-then averaged over micro-steps and processes); `--normalize per-batch` trains the usual way, to compare.
+landed, and the run ends with the same weights (to rounding) on any number of processes. Every log
+line prints that loss (summed losses / global count) beside the usual recipe's number (each
+micro-batch's own mean, then averaged over micro-steps and processes); `--normalize per-batch` trains
+the usual way, to compare.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch.nn.functional as F
 from spans import IGNORE, MaskedWindows, load_finetune_text
 from torch.utils.data import DataLoader
 
-from unison import Accelerator, ProjectConfiguration, set_seed
+from unison import Accelerator, ProjectConfiguration
 from unison.checkpoint import CheckpointError, load_object, newest_checkpoint, verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "gpt"))  # the GPT example's model and data
@@ -162,7 +163,6 @@ def main() -> None:
         gradient_accumulation_steps=args.grad_accum,
         project_config=ProjectConfiguration(project_dir=args.project_dir),
     )
-    set_seed(args.seed)
     checkpoint = find_checkpoint(args.init_from)
     model = load_gpt(checkpoint, args.n_head)
     config, n_params = model.config, model.num_parameters()
