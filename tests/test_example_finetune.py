@@ -123,7 +123,7 @@ def test_finetune_normalizes_by_the_global_count_on_any_split(gpt_project, tmp_p
     assert len(logged) == 3, two.stdout
     per_token, mean_of_means = _first_window_reference(gpt_project, micro_batches=4, batch=2)
     assert logged[0] == pytest.approx((per_token, mean_of_means), abs=1.5e-4)
-    assert abs(per_token - mean_of_means) > 5e-4, (per_token, mean_of_means)  # and differ
+    assert abs(per_token - mean_of_means) > 3e-4, (per_token, mean_of_means)  # visibly apart
     assert "[rank0]: saved " + str(tmp_path / "two" / "checkpoints" / "checkpoint_3") in two.stdout
 
     one = _run(str(script), *_finetune_args(gpt_project, tmp_path / "one", 2, 4, "global"))
