@@ -120,6 +120,11 @@ def parallelism_unknown():
 
 
 @case
+def auto_facts_half():
+    Accelerator(parallelism="auto:global_batch_size=64")
+
+
+@case
 def ddp_options_under_zero3():
     options = [DistributedDataParallelKwargs(find_unused_parameters=True)]
     Accelerator(parallelism="zero3", kwargs_handlers=options).prepare(two_layers())
