@@ -15,7 +15,7 @@ import torch
 from launching import REPO_ROOT, describe, launch, launch_ok
 from torch.distributed import run as torchrun
 
-from unison import launch_env, launcher
+from unison import launch_env, launch_options, launcher
 from unison.launcher import LaunchError, LaunchOptions
 
 WORKER = "tests/workers/launch_worker.py"
@@ -233,11 +233,11 @@ def test_more_processes_than_gpus(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(LaunchError, match="--nproc-per-node 2 is more than the 1 GPU"):
-        launcher.resolve_nproc_per_node(2, cpu=False)
-    assert launcher.resolve_nproc_per_node(2, cpu=True) == 2
-    assert launcher.resolve_nproc_per_node("auto", cpu=False) == 1
-    assert launcher.resolve_nproc_per_node("auto", cpu=True) == min(
-        launcher.usable_cpu_count(), launcher.MAX_AUTO_CPU_PROCESSES
+        launch_options.resolve_nproc_per_node(2, cpu=False)
+    assert launch_options.resolve_nproc_per_node(2, cpu=True) == 2
+    assert launch_options.resolve_nproc_per_node("auto", cpu=False) == 1
+    assert launch_options.resolve_nproc_per_node("auto", cpu=True) == min(
+        launch_options.usable_cpu_count(), launch_options.MAX_AUTO_CPU_PROCESSES
     )
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from launching import WORKERS, launch_ok
 
-from unison import Accelerator, launch_env, launcher
+from unison import Accelerator, launch_env, launch_options, launcher
 from unison.launcher import LaunchError, LaunchOptions
 from unison.parallel.config import ParallelismConfig
 from unison.parallel.mesh import mesh_layout
@@ -281,10 +281,10 @@ def test_auto_asks_the_planner_at_prepare_and_needs_the_model_first(fresh_state)
 def test_launch_accepts_auto_and_passes_it_to_the_workers():
     env = launcher.worker_environment(4, cpu=True, parallelism="Auto")
     assert env[launch_env.PARALLELISM] == "Auto"
-    launcher._validate_parallelism("auto", 4, 1, 1)  # no degrees to check before the planner runs
-    launcher._validate_parallelism("auto:global_batch_size=64,seq_len=1024", 4, 1, 1)
+    launch_options._validate_parallelism("auto", 4, 1, 1)  # no degrees to check before the planner runs
+    launch_options._validate_parallelism("auto:global_batch_size=64,seq_len=1024", 4, 1, 1)
     with pytest.raises(launcher.LaunchError, match="'batch' is not a fact the planner takes"):
-        launcher._validate_parallelism("auto:batch=64", 4, 1, 1)
+        launch_options._validate_parallelism("auto:batch=64", 4, 1, 1)
 
 
 @pytest.mark.parametrize(

@@ -2,8 +2,8 @@
 
 torch.distributed.run already does the hard parts (rendezvous, worker restarts, signal forwarding,
 tee-ing each worker's output, failure reports), so this module does not spawn anything itself. It
-checks the flags before any process starts, turns them into torch.distributed.run's argument
-namespace, exports the UNISON_* variables of `launch_env` (how the flags reach `Accelerator()` as
+checks the flags before any process starts (unison.launch_options), turns them into torch.distributed.run's
+argument namespace, exports the UNISON_* variables of `launch_env` (how the flags reach `Accelerator()` as
 defaults) and runs torch's launcher in-process.
 
 What it adds to a bare torchrun:
@@ -23,319 +23,43 @@ What it adds to a bare torchrun:
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import logging
 import math
 import os
 import socket
-import sys
 import tempfile
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Mapping
 
-import torch
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from . import launch_env, network, rendezvous
+from .launch_options import (
+    LaunchError,
+    LaunchOptions,
+    compile_variables,
+    parse_nnodes,
+    usable_cpu_count,
+    validate,
+)
 from .launch_report import quiet_agent_shutdown, report_failure
-from .parallel.checkpointing import normalize_mode
-from .parallel.config import ParallelismConfig, auto_options, is_auto
-from .plugins import layout_of, read_plugin
+from .parallel.config import ParallelismConfig, is_auto
 from .state import validate_mixed_precision
-from .throughput import check_peak_flops
 
 logger = logging.getLogger("unison")
 
+__all__ = ["LaunchError", "LaunchOptions", "launch", "validate", "worker_environment"]
+"""What callers use: the options and their check live in unison.launch_options, re-exported here."""
+
 RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
 """torch.distributed.run's log_line_prefix_template: each worker line starts with its global rank."""
-
-MAX_AUTO_CPU_PROCESSES = 4
-"""`--nproc-per-node auto` without GPUs: one process per usable core, at most this many.
-
-Data parallelism inside one CPU box pays only while each process has cores for its own math; the
-gloo all-reduce through loopback grows with the number of processes and soon dominates a step (see
-the engine notes: communication already dominates at two processes). A few processes, each with its
-share of the cores as OpenMP threads, is the sensible default; ask for more by number.
-"""
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_C10D_PORT = 29400  # torchrun's, for an --rdzv-endpoint without a port
 C10D_READ_TIMEOUT_SECONDS = 60
 """torch's default c10d read_timeout: how long a node tries to reach the rendezvous store (twice)."""
-
-
-class LaunchError(ValueError):
-    """A launch flag is wrong; raised before any worker process starts."""
-
-
-@dataclass(frozen=True)
-class LaunchOptions:
-    """Everything `unison launch` was asked to do. Field names follow the command-line flags."""
-
-    script: str
-    script_args: Sequence[str] = ()
-    module: bool = False
-    nproc_per_node: int | str | None = None
-    num_processes: int | None = None
-    nnodes: str = "1"
-    node_rank: int | None = None
-    master_addr: str | None = None
-    master_port: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "unison"
-    rdzv_conf: str = ""
-    local_addr: str | None = None
-    max_restarts: int = 0
-    cpu: bool = False
-    mixed_precision: str | None = None
-    gradient_accumulation_steps: int | None = None
-    timeout: float | None = None
-    debug: bool = False  # --debug: check every collective across ranks (launch_env.DEBUG)
-    parallelism: str | None = None
-    activation_checkpointing: str | None = None  # launch_env.ACTIVATION_CHECKPOINTING
-    plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
-    dynamo_backend: str | None = None  # --dynamo-backend: torch.compile at prepare() (parallel/compiling.py)
-    dynamo_mode: str | None = None
-    peak_flops: float | None = None  # --peak-flops: one device's FLOP/s for MFU (launch_env.PEAK_FLOPS)
-
-
-def usable_cpu_count() -> int:
-    """CPU cores this process may run on (honours taskset / cgroup cpusets where the OS tells)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(len(os.sched_getaffinity(0)), 1)
-    return os.cpu_count() or 1
-
-
-def auto_nproc_per_node(cpu: bool) -> int:
-    """Processes for `--nproc-per-node auto`: one per visible GPU, else see MAX_AUTO_CPU_PROCESSES."""
-    if not cpu and torch.cuda.is_available():
-        return torch.cuda.device_count()
-    return min(usable_cpu_count(), MAX_AUTO_CPU_PROCESSES)
-
-
-def resolve_nproc_per_node(value: int | str, cpu: bool) -> int:
-    """Turn `--nproc-per-node` (a number or "auto") into a checked number of processes."""
-    if isinstance(value, str) and value.strip().lower() == "auto":
-        return auto_nproc_per_node(cpu)
-    try:
-        nproc = int(value)
-    except (TypeError, ValueError):
-        raise LaunchError(
-            f"--nproc-per-node {value!r} is neither a number nor 'auto': pass e.g. --nproc-per-node 2, or "
-            "'auto' for one process per GPU."
-        ) from None
-    if nproc < 1:
-        raise LaunchError(f"--nproc-per-node {nproc} is below 1: each node needs at least one process.")
-    if not cpu and torch.cuda.is_available() and nproc > torch.cuda.device_count():
-        raise LaunchError(
-            f"--nproc-per-node {nproc} is more than the {torch.cuda.device_count()} GPU(s) this node has: "
-            "each process needs its own GPU. Start at most that many processes, or pass --cpu to run "
-            "every process on the CPU."
-        )
-    return nproc
-
-
-def parse_nnodes(nnodes: str) -> tuple[int, int]:
-    """`--nnodes 2` -> (2, 2); `--nnodes 1:4` (elastic, c10d rendezvous only) -> (1, 4)."""
-    parts = str(nnodes).split(":")
-    try:
-        low, high = (int(parts[0]), int(parts[0])) if len(parts) == 1 else (int(parts[0]), int(parts[1]))
-    except (ValueError, IndexError):
-        low = high = -1
-    if len(parts) > 2 or not 0 < low <= high:
-        raise LaunchError(
-            f"--nnodes {nnodes!r} is not a node count: pass a number >= 1 such as --nnodes 2, or MIN:MAX "
-            "such as 1:4 for an elastic job with --rdzv-endpoint."
-        )
-    return low, high
-
-
-def validate(options: LaunchOptions) -> int:
-    """Check every flag; return the number of processes per node. Raises LaunchError naming the fix."""
-    _validate_script(options)
-    if options.mixed_precision is not None:
-        try:
-            validate_mixed_precision(options.mixed_precision)
-        except ValueError as error:
-            raise LaunchError(f"--mixed-precision: {error}") from None
-    steps = options.gradient_accumulation_steps
-    if steps is not None and steps < 1:
-        raise LaunchError(
-            f"--gradient-accumulation-steps {steps} is below 1: it counts the micro-batches per optimizer "
-            "step, so 1 means no accumulation."
-        )
-    if options.timeout is not None and not options.timeout > 0:
-        raise LaunchError(
-            f"--timeout {options.timeout:g} is not a positive number of seconds: a collective needs a "
-            "finite limit so a stuck process cannot hang the others forever. Pass e.g. --timeout 600."
-        )
-    if options.peak_flops is not None:
-        try:
-            check_peak_flops(options.peak_flops, "--peak-flops")
-        except ValueError as error:
-            raise LaunchError(str(error)) from None
-    if options.max_restarts < 0:
-        raise LaunchError(f"--max-restarts {options.max_restarts} is negative: pass 0 (no restart) or more.")
-    min_nodes, max_nodes = parse_nnodes(options.nnodes)
-    _refuse_flags_without_effect(options, max_nodes)
-    if max_nodes > 1 and not options.rdzv_endpoint:
-        _validate_static_multi_node(options, max_nodes, min_nodes)
-    nproc_per_node = resolve_nproc_per_node(_per_node(options, min_nodes, max_nodes), options.cpu)
-    if options.parallelism is not None:
-        _validate_parallelism(options.parallelism, nproc_per_node, min_nodes, max_nodes)
-    if options.plugin is not None:
-        _validate_plugin(options.plugin, nproc_per_node, min_nodes, max_nodes)
-    if options.activation_checkpointing is not None:
-        try:  # a wrong mode fails here, not in N workers
-            normalize_mode(options.activation_checkpointing, "--activation-checkpointing")
-        except ValueError as error:
-            raise LaunchError(str(error)) from None
-    compile_variables(options)  # a wrong backend or mode fails here, not in N workers
-    return nproc_per_node
-
-
-def compile_variables(options: LaunchOptions) -> dict[str, str]:
-    """UNISON_DYNAMO_* for --dynamo-backend / --dynamo-mode (checked: LaunchError naming the fix)."""
-    from .parallel.compiling import check_backend, check_mode
-
-    env = {}
-    try:
-        if options.dynamo_backend is not None:
-            env[launch_env.DYNAMO_BACKEND] = check_backend(options.dynamo_backend)
-        if options.dynamo_mode is not None:
-            env[launch_env.DYNAMO_MODE] = check_mode(options.dynamo_mode)
-    except (ValueError, TypeError) as error:
-        raise LaunchError(f"--dynamo-backend/--dynamo-mode: {error}") from None
-    return env
-
-
-def _validate_script(options: LaunchOptions) -> None:
-    """The script must exist; with -m, the module's top-level package must be importable from here."""
-    if options.module:
-        top_level = options.script.split(".")[0]
-        sys.path.insert(0, os.getcwd())  # as `python -m` in the workers, which start in this directory
-        try:
-            found = bool(top_level) and importlib.util.find_spec(top_level) is not None
-        finally:
-            sys.path.pop(0)
-        if not found:
-            raise LaunchError(
-                f"-m {options.script}: no module named {top_level!r} is importable from {os.getcwd()} or "
-                "this Python's packages: check the name, install the package, or run from its directory."
-            )
-    elif not os.path.isfile(options.script):
-        raise LaunchError(
-            f"the script {options.script!r} does not exist (looked in {os.getcwd()}): pass the path of "
-            "a Python file, e.g. `unison launch --nproc-per-node 2 train.py`, or `-m package.module`."
-        )
-
-
-def _per_node(options: LaunchOptions, min_nodes: int, max_nodes: int) -> int | str:
-    """--nproc-per-node, or Accelerate's --num-processes (processes in all) divided over the nodes."""
-    if options.num_processes is None:
-        return 1 if options.nproc_per_node is None else options.nproc_per_node
-    total = options.num_processes
-    if total < 1 or min_nodes != max_nodes or total % max_nodes:
-        raise LaunchError(
-            f"--num-processes {total} counts the processes of all {options.nnodes} node(s) together, so it "
-            "must be a positive multiple of a fixed --num-machines/--nnodes. Pass --nproc-per-node "
-            "(processes on each node) instead for an elastic or uneven job."
-        )
-    if options.nproc_per_node is not None and str(options.nproc_per_node) != str(total // max_nodes):
-        raise LaunchError(
-            f"--num-processes {total} over {max_nodes} node(s) means {total // max_nodes} per node, but "
-            f"--nproc-per-node says {options.nproc_per_node}: pass one of the two."
-        )
-    return total // max_nodes
-
-
-def _validate_parallelism(parallelism: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
-    """Parse --parallelism; with a fixed node count, check its degrees against the world size too."""
-    if is_auto(parallelism):
-        try:
-            auto_options(
-                parallelism
-            )  # the layout is the planner's, inside the workers; its facts are checked here
-        except ValueError as error:
-            raise LaunchError(f"--parallelism: {error}") from None
-        return
-    try:
-        config = ParallelismConfig.from_string(parallelism)
-        if min_nodes == max_nodes:
-            config.validate(nproc_per_node * max_nodes)
-    except ValueError as error:
-        raise LaunchError(f"--parallelism: {error}") from None
-
-
-def _validate_plugin(plugin: str, nproc_per_node: int, min_nodes: int, max_nodes: int) -> None:
-    """Read the plugin as the workers will, and with a fixed node count check the layout it names."""
-    try:
-        world = nproc_per_node * max_nodes
-        layout = layout_of(read_plugin(plugin), world, nproc_per_node).parallelism
-        if min_nodes == max_nodes:
-            layout.validate(world)
-    except (ValueError, TypeError) as error:
-        raise LaunchError(str(error)) from None
-
-
-def _refuse_flags_without_effect(options: LaunchOptions, max_nodes: int) -> None:
-    """Rendezvous flags that the chosen rendezvous would drop are errors, not silently ignored.
-
-    --node-rank under --rdzv-endpoint stays allowed (and ignored, as torchrun does): cluster scripts
-    pass it everywhere, and the c10d rendezvous numbers nodes in the order they join.
-    """
-    if options.rdzv_endpoint:
-        given = [
-            f"--{name.replace('_', '-')} {value}"
-            for name, value in (("master_addr", options.master_addr), ("master_port", options.master_port))
-            if value is not None
-        ]
-        if given:
-            raise LaunchError(
-                f"{' and '.join(given)} with --rdzv-endpoint {options.rdzv_endpoint}: the c10d rendezvous "
-                "at the endpoint gives every node its address and rank, so these would be ignored. Pass "
-                "either --rdzv-endpoint HOST:PORT, or --master-addr/--master-port with --node-rank."
-            )
-        return
-    given = [
-        f"--{name.replace('_', '-')} {value}"
-        for name, value, default in (
-            ("rdzv_id", options.rdzv_id, LaunchOptions.rdzv_id),
-            ("rdzv_conf", options.rdzv_conf, LaunchOptions.rdzv_conf),
-        )
-        if value != default
-    ]
-    if given:
-        raise LaunchError(
-            f"{' and '.join(given)} without --rdzv-endpoint: they configure the c10d rendezvous, which "
-            "only --rdzv-endpoint HOST:PORT starts. Add it, or drop them."
-        )
-    if max_nodes == 1 and options.node_rank not in (None, 0):
-        raise LaunchError(
-            f"--node-rank {options.node_rank} with --nnodes {options.nnodes}: one node is node 0. Pass "
-            "--nnodes with the number of nodes, or drop --node-rank."
-        )
-
-
-def _validate_static_multi_node(options: LaunchOptions, max_nodes: int, min_nodes: int) -> None:
-    if min_nodes != max_nodes:
-        raise LaunchError(
-            f"--nnodes {options.nnodes} is elastic (a range) but no --rdzv-endpoint was given: a range "
-            "needs the c10d rendezvous. Pass --rdzv-endpoint HOST:PORT, or a fixed --nnodes."
-        )
-    if not options.master_addr:
-        raise LaunchError(
-            f"--nnodes {max_nodes} needs to know where node 0 is: pass --master-addr HOST --master-port "
-            "PORT --node-rank R on every node (static rendezvous), or --rdzv-endpoint HOST:PORT."
-        )
-    if options.node_rank is None or not 0 <= options.node_rank < max_nodes:
-        raise LaunchError(
-            f"--node-rank {options.node_rank} is not in [0, {max_nodes}): with --master-addr every node "
-            "needs its own --node-rank (0 on the master node, 1, 2, ... on the others)."
-        )
 
 
 def free_loopback_port() -> int:

@@ -24,13 +24,13 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+from .launch_options import resolve_nproc_per_node
 from .launch_report import cause_rank
 from .launcher import (
     RANK_PREFIX_TEMPLATE,
     exported,
     free_loopback_port,
     join_endpoint,
-    resolve_nproc_per_node,
     worker_environment,
 )
 from .rendezvous import ONE_NODE_BACKEND

@@ -6,7 +6,8 @@ import argparse
 
 from .. import launch_env
 from ..launch_config import ConfigError
-from ..launcher import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions, launch
+from ..launch_options import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions
+from ..launcher import launch
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from ..throughput import check_peak_flops
 from .launch_config_flags import add_config_flag, apply_config_file, file_note

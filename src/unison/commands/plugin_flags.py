@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..launcher import LaunchError
+from ..launch_options import LaunchError
 from ..plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, plugin_to_env
 
 # flag -> (plugin field, value type); "bool" takes Accelerate's true/false strings
