@@ -30,7 +30,7 @@ from unison.checkpoint import (
     verify_checkpoint,
     write_checkpoint,
 )
-from unison.checkpoint.storage import CHUNK_BYTES
+from unison.checkpoint.manifest import CHUNK_BYTES
 
 pytestmark = pytest.mark.usefixtures("fresh_state")
 

@@ -1,22 +1,19 @@
-"""Checkpoints: atomic, verified directories on disk (storage), the training state in them
+"""Checkpoints: atomic, verified directories on disk (storage, their manifest of checksums in manifest),
+the training state in them
 (training_state; sharded layouts through DCP in sharded, imported on first use), and consolidated
 weights for use without unison from any layout (weights)."""
 
+from .errors import CheckpointError
+from .manifest import MANIFEST_NAME, files_of_process, read_manifest, verify_checkpoint, verify_files
 from .storage import (
-    MANIFEST_NAME,
-    CheckpointError,
     ProjectConfiguration,
     checkpoint_path,
-    files_of_process,
     list_checkpoints,
     load_object,
     newest_checkpoint,
     prune_checkpoints,
-    read_manifest,
     save_object,
     temporary_path,
-    verify_checkpoint,
-    verify_files,
     write_checkpoint,
 )
 from .training_state import TrainingParts, load_training_state, save_training_state

@@ -52,7 +52,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..parallel.ddp import unwrap
-from .storage import CheckpointError, describe_keys, model_keys_error
+from .errors import CheckpointError, describe_keys, model_keys_error
 
 DCP_METADATA = ".metadata"
 """The file DCP writes last into a part's directory; a part saved sharded is recognised by it."""

@@ -28,82 +28,33 @@ import contextlib
 import errno
 import json
 import logging
-import mmap
 import os
 import pickle
 import re
 import shutil
-import zlib
 from collections.abc import Iterator, Mapping
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from ..state import PartialState
+from .errors import CheckpointError
+from .manifest import (
+    MANIFEST_NAME,
+    checksum_own_files,
+    fsync_directory,
+    write_manifest,
+)
 
 logger = logging.getLogger("unison")
 
-MANIFEST_NAME = "manifest.json"
-FORMAT_VERSION = 1
 CHECKPOINT_PREFIX = "checkpoint_"
 _CHECKPOINT_NAME = re.compile(rf"{CHECKPOINT_PREFIX}(\d+)")
-CHUNK_BYTES = 8 * 2**20
-"""Files are checksummed in chunks of this size (one CRC-32 each), so every core can work on one file."""
-_MAX_THREADS = 32
 NEARLY_FULL_BYTES = 2**20
 """A failed save on a file system with less free space than this is said to have run out of space (a
 full disk leaves the failed file's partial bytes behind: the space left is then about nothing)."""
-_PER_PROCESS_FILE = re.compile(r"rng_state_(\d+)\.pt|__(\d+)_\d+\.distcp")
-"""Files written by one process carry its rank: its RNG states (training_state) and its shards, which
-torch's distributed checkpoint names `__<rank>_<n>.distcp` (sharded)."""
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory is incomplete or damaged, or an object in it cannot be loaded safely."""
-
-
-def describe_keys(missing: list[str], unexpected: list[str]) -> str:
-    """How a saved state dict and the live object's keys differ (up to five keys of each kind), for errors
-    that name the keys as torch's load_state_dict(strict=True) does."""
-
-    def shown(keys: list[str]) -> str:
-        return ", ".join(keys[:5]) + (f" and {len(keys) - 5} more" if len(keys) > 5 else "")
-
-    parts = [f"has no {shown(missing)}"] if missing else []
-    parts += [f"holds {shown(unexpected)}, which the model has not"] if unexpected else []
-    return "the checkpoint " + " and ".join(parts)
-
-
-def model_keys_error(missing: list[str], unexpected: list[str]) -> CheckpointError:
-    """The error of a strict load (load_state's default) into a model whose keys are not the checkpoint's."""
-    return CheckpointError(
-        f"{describe_keys(missing, unexpected)}: it was saved from another model. Load it into the model of "
-        "the run that saved it, or pass load_state(..., strict=False) to load the weights both have."
-    )
-
-
-def check_shapes(name: str, live: Mapping[str, Any], saved: Mapping[str, Any]) -> None:
-    """Raise CheckpointError if a tensor of the state dict `saved` (the file `name`) has another shape than
-    the live one of its key. torch's load_state_dict copies the tensors that fit before it raises for
-    the others, leaving a model half loaded; checked first, nothing is applied."""
-    differ = [
-        f"{key} is {list(value.shape)} there, {list(live[key].shape)} here"
-        for key, value in saved.items()
-        if key in live
-        and hasattr(value, "shape")
-        and hasattr(live[key], "shape")
-        and tuple(value.shape) != tuple(live[key].shape)
-    ]
-    if differ:
-        shown = "; ".join(differ[:3]) + (f"; and {len(differ) - 3} more" if len(differ) > 3 else "")
-        raise CheckpointError(
-            f"{name} holds tensors of other shapes than the model's ({shown}): it was saved from another "
-            "model (another size or configuration). Load it into the model of the run that saved it; "
-            "strict=False does not help, a tensor cannot be loaded into another shape."
-        )
 
 
 @dataclass
@@ -220,27 +171,6 @@ def raise_if_any_process_failed(error: Exception | None, action: str, result: An
     return [result for _, result in reports]
 
 
-def checksumming_process(name: str, num_processes: int) -> int:
-    """The process that checksums the file `name` (relative to the checkpoint) on save and verifies it
-    on load: the process of the rank a per-process file carries (`rng_state_<rank>.pt`, DCP's
-    `__<rank>_<n>.distcp`; modulo `num_processes` when fewer processes load than saved), else the main
-    process, which writes the replicated files (and DCP's `.metadata`). So each process checksums what
-    it wrote, still in its page cache, and its share grows with its own bytes, not the checkpoint's.
-    """
-    match = _PER_PROCESS_FILE.fullmatch(PurePosixPath(name).name)
-    if match is None:
-        return 0
-    return int(match.group(1) or match.group(2)) % num_processes
-
-
-def files_of_process(manifest: Mapping[str, Any], process_index: int, num_processes: int) -> list[str]:
-    """The files of `manifest` that process `process_index` of `num_processes` verifies (see
-    checksumming_process); together the processes verify every file once."""
-    return sorted(
-        name for name in manifest["files"] if checksumming_process(name, num_processes) == process_index
-    )
-
-
 # -- writing -------------------------------------------------------------------------------------
 def _refuse_different_directories(final_dir: Path, state: PartialState) -> None:
     """Every process must name the same checkpoint directory (Accelerate lets each write its own; unison
@@ -310,14 +240,14 @@ def write_checkpoint(
         raise_if_any_process_failed(block_error, f"saving {final_dir}")  # every process has written
         entries = checksum_error = None
         try:
-            entries = _checksum_own_files(tmp_dir, state)
+            entries = checksum_own_files(tmp_dir, state)
         except Exception as error:
             checksum_error = _said_if_out_of_space(error, final_dir)
         everyone = raise_if_any_process_failed(checksum_error, f"checksumming {final_dir}", entries)
         if state.is_main_process:
             try:
                 files = {name: entry for entries in everyone for name, entry in entries.items()}
-                manifest = _write_manifest(tmp_dir, metadata, files)
+                manifest = write_manifest(tmp_dir, metadata, files)
                 _move_into_place(tmp_dir, final_dir)
             except Exception as error:
                 finish_error = _said_if_out_of_space(error, final_dir)
@@ -357,39 +287,6 @@ def _said_if_out_of_space(error: Exception, final_dir: Path) -> Exception:
     )
 
 
-def _checksum_own_files(directory: Path, state: PartialState) -> dict[str, dict[str, Any]]:
-    """Size and CRC-32s of the files under `directory` that this process checksums (see
-    checksumming_process), each fsynced: name (relative, '/'-separated) -> its manifest entry.
-
-    Called once every process has written its files; the others' files are listed but not read.
-    """
-    names = sorted(
-        path.relative_to(directory).as_posix()
-        for path in directory.rglob("*")
-        if path.is_file() and path.name != MANIFEST_NAME
-    )
-    own = [name for name in names if checksumming_process(name, state.num_processes) == state.process_index]
-    return dict(zip(own, _checksum_files([directory / name for name in own], CHUNK_BYTES, sync=True)))
-
-
-def _write_manifest(directory: Path, metadata: dict[str, Any], files: dict[str, Any]) -> dict[str, Any]:
-    """Write (and fsync) the manifest of `files` (every process's checksums), then fsync the folders."""
-    manifest = {
-        "format_version": FORMAT_VERSION,
-        "checksum": "crc32",
-        "chunk_bytes": CHUNK_BYTES,
-        "files": dict(sorted(files.items())),
-        "metadata": metadata,
-    }
-    with open(directory / MANIFEST_NAME, "w") as file:
-        json.dump(manifest, file, indent=1)
-        file.flush()
-        os.fsync(file.fileno())
-    for folder in [directory, *(path for path in directory.rglob("*") if path.is_dir())]:
-        _fsync_directory(folder)
-    return manifest
-
-
 def _move_into_place(tmp_dir: Path, final_dir: Path) -> None:
     """Rename tmp_dir to final_dir; an existing final_dir is moved aside first and deleted after.
 
@@ -403,7 +300,7 @@ def _move_into_place(tmp_dir: Path, final_dir: Path) -> None:
         _remove_if_present(aside)
         os.replace(final_dir, aside)
     os.replace(tmp_dir, final_dir)
-    _fsync_directory(final_dir.parent)
+    fsync_directory(final_dir.parent)
     if replacing:
         shutil.rmtree(aside)
 
@@ -415,123 +312,7 @@ def _remove_if_present(path: Path) -> None:
         path.unlink()
 
 
-def _fsync_directory(directory: Path) -> None:
-    """Make the directory's entries (new files, renames) durable, not only the files' contents."""
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _checksum_files(paths: list[Path], chunk_bytes: int, sync: bool) -> list[dict[str, Any]]:
-    """Size and per-chunk CRC-32s of each file (optionally fsyncing each), computed in threads.
-
-    zlib and fsync release the GIL, so the chunks are checksummed on every core (a 100 MB file is not
-    one sequential pass) while the fsyncs wait on the disk: a save costs about the larger of the two.
-    """
-    threads = min(_MAX_THREADS, (os.cpu_count() or 1) + (len(paths) if sync else 0))
-    with ThreadPoolExecutor(max_workers=threads) as pool:
-        syncs = [pool.submit(_fsync_file, path) for path in paths] if sync else []
-        entries = [_checksum_file(path, chunk_bytes, pool) for path in paths]
-        for done in syncs:
-            done.result()
-    return entries
-
-
-def _checksum_file(path: Path, chunk_bytes: int, pool: ThreadPoolExecutor) -> dict[str, Any]:
-    # mmap: a just-written file is in the page cache, so this checksums it without copying it.
-    with open(path, "rb") as file:
-        size = os.fstat(file.fileno()).st_size
-        if not size:
-            return {"size": 0, "crc32": []}
-        with mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as mapped, memoryview(mapped) as view:
-            starts = range(0, size, chunk_bytes)
-            crcs = list(pool.map(lambda start: zlib.crc32(view[start : start + chunk_bytes]), starts))
-    return {"size": size, "crc32": [f"{crc:08x}" for crc in crcs]}
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as file:
-        os.fsync(file.fileno())
-
-
 # -- reading -------------------------------------------------------------------------------------
-def verify_checkpoint(directory: str | os.PathLike) -> dict[str, Any]:
-    """Check every file listed in the manifest (present, same size, same CRC-32); return the manifest.
-
-    Raises CheckpointError naming the first file that is missing, truncated or changed, or saying
-    why the directory is not a complete checkpoint. One process checks everything here; a load by
-    several processes splits the files between them (read_manifest, files_of_process, verify_files).
-    """
-    manifest = read_manifest(directory)
-    verify_files(directory, manifest, sorted(manifest["files"]))
-    return manifest
-
-
-def read_manifest(directory: str | os.PathLike) -> dict[str, Any]:
-    """The manifest of the checkpoint `directory`, checked for form (no file is read); CheckpointError
-    saying why the directory is not a complete checkpoint of this format otherwise."""
-    directory = Path(directory)
-    manifest_path = directory / MANIFEST_NAME
-    if not directory.is_dir():
-        raise CheckpointError(f"no checkpoint at {directory}: the directory does not exist.")
-    if not manifest_path.is_file():
-        raise CheckpointError(
-            f"{directory} is not a complete checkpoint: it has no {MANIFEST_NAME}, which is written last, "
-            "when every file has been saved (the save was interrupted, or this folder was made another "
-            "way). Load another checkpoint, e.g. the newest complete one."
-        )
-    try:
-        manifest = json.loads(manifest_path.read_text())
-        version = manifest.get("format_version")
-        chunk_bytes = int(manifest["chunk_bytes"])
-        if chunk_bytes < 1:
-            raise ValueError(f"chunk_bytes={chunk_bytes}")
-        for name, entry in manifest["files"].items():
-            if not isinstance(entry["size"], int) or not isinstance(entry["crc32"], list):
-                raise ValueError(f"the entry of {name} is {entry!r}")
-    except (ValueError, AttributeError, KeyError, TypeError) as error:
-        raise CheckpointError(f"{manifest_path} is not a valid checkpoint manifest ({error}).") from error
-    if version != FORMAT_VERSION:
-        raise CheckpointError(
-            f"{manifest_path} has format_version {version!r}, but this unison reads version "
-            f"{FORMAT_VERSION}: the checkpoint was written by another unison version. Load it with that "
-            "version."
-        )
-    return manifest
-
-
-def verify_files(directory: str | os.PathLike, manifest: Mapping[str, Any], names: list[str]) -> None:
-    """Check the files `names` of the checkpoint `directory` against `manifest` (present, same size,
-    same CRC-32s); CheckpointError naming the first that is missing, truncated or changed."""
-    directory = Path(directory)
-    files, chunk_bytes = manifest["files"], int(manifest["chunk_bytes"])
-    for name in names:
-        if not (directory / name).is_file():
-            raise CheckpointError(
-                f"checkpoint file {directory / name} is missing: {MANIFEST_NAME} lists it, so the checkpoint "
-                "was changed after it was saved. Restore the file or load another checkpoint."
-            )
-        size, expected = (directory / name).stat().st_size, files[name]["size"]
-        if size != expected:
-            raise CheckpointError(
-                f"checkpoint file {directory / name} has {size} bytes but {MANIFEST_NAME} records {expected} "
-                "(truncated?). Restore the file or load another checkpoint."
-            )
-    actual = _checksum_files([directory / name for name in names], chunk_bytes, sync=False)
-    for name, found in zip(names, actual):
-        expected = files[name]["crc32"]
-        differing = [index for index, (a, b) in enumerate(zip(found["crc32"], expected)) if a != b]
-        if differing or len(found["crc32"]) != len(expected):
-            start = differing[0] * chunk_bytes if differing else 0
-            raise CheckpointError(
-                f"checkpoint file {directory / name} does not match its checksums in {MANIFEST_NAME} (first "
-                f"difference in bytes {start}-{start + chunk_bytes - 1}): it was edited or corrupted after "
-                "saving. Restore the file or load another checkpoint."
-            )
-
-
 def list_checkpoints(checkpoints_dir: str | os.PathLike) -> list[Path]:
     """Complete checkpoints (`checkpoint_<int>` with a manifest) in `checkpoints_dir`, oldest step first.
 

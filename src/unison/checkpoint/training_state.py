@@ -30,18 +30,9 @@ from .. import ops
 from ..parallel.ddp import unwrap
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
-from .storage import (
-    CheckpointError,
-    check_shapes,
-    files_of_process,
-    load_object,
-    model_keys_error,
-    raise_if_any_process_failed,
-    read_manifest,
-    save_object,
-    verify_files,
-    write_checkpoint,
-)
+from .errors import CheckpointError, check_shapes, model_keys_error
+from .manifest import files_of_process, read_manifest, verify_files
+from .storage import load_object, raise_if_any_process_failed, save_object, write_checkpoint
 
 logger = logging.getLogger("unison")
 
@@ -387,7 +378,7 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
     micro-step count (Accelerator.step) the resumed run continues from.
 
     Every process verifies its share of the files (their sizes and checksums, see
-    storage.checksumming_process) while it reads the files it loads (one read of each file on each
+    manifest.checksumming_process) while it reads the files it loads (one read of each file on each
     process, not one to check and one to load); nothing is applied until every process's check has
     passed, and a failed check raises a CheckpointError naming the file on every process. Model and
     optimizer parts saved through DCP are read, on each process, into new tensors laid out like its
