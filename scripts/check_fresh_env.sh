@@ -27,7 +27,7 @@ cd "$workdir"
 "$venv_python" - <<'PYCODE'
 import importlib.util
 import unison
-for extra in ("pytest", "safetensors", "tensorboard", "transformers", "mlflow", "wandb", "matplotlib"):  # test-only packages must not have come along
+for extra in ("pytest", "safetensors", "tensorboard", "transformers", "mlflow", "wandb", "matplotlib", "tomli_w", "yaml", "sklearn"):  # test-only packages must not have come along
     assert importlib.util.find_spec(extra) is None, f"{extra} is installed: the fresh env is not bare"
 print(f"[fresh env] import unison {unison.__version__} from {unison.__file__}")
 
@@ -66,3 +66,21 @@ fi
 grep -q "pip install 'unison\[plot\]'" "$workdir/plot.log" \
   || { cat "$workdir/plot.log"; echo "[fresh env] FAILED: unison plot did not name its extra"; exit 1; }
 echo "[fresh env] unison plot without matplotlib names the extra: ok"
+# unison.toml is read with the standard library (no extra); writing one needs tomli-w (the config extra).
+mkdir "$workdir/project" && printf 'mixed_precision = "bf16"\n' > "$workdir/project/unison.toml"
+(cd "$workdir/project" && "$workdir/venv/bin/unison" env > "$workdir/env.log" 2>&1) \
+  || { cat "$workdir/env.log"; echo "[fresh env] FAILED: unison env with a unison.toml"; exit 1; }
+grep -q "mixed_precision = bf16 (from unison.toml)" "$workdir/env.log" \
+  || { cat "$workdir/env.log"; echo "[fresh env] FAILED: unison env did not show the file's setting"; exit 1; }
+if "$workdir/venv/bin/unison" config --non-interactive --output "$workdir/new.toml" > "$workdir/config.log" 2>&1; then
+  cat "$workdir/config.log"; echo "[fresh env] FAILED: unison config wrote TOML without tomli-w"; exit 1
+fi
+grep -q "unison\[config\]" "$workdir/config.log" \
+  || { cat "$workdir/config.log"; echo "[fresh env] FAILED: unison config did not name its extra"; exit 1; }
+echo "[fresh env] unison.toml read without extras, unison config names its extra: ok"
+# the planner's cost model needs nothing beyond torch
+"$workdir/venv/bin/unison" plan "$checkout/examples/gpt/model.py:gpt2_124m" --devices 8 --device a100-40gb \
+  --seq-len 1024 --global-batch-size 480 > "$workdir/plan.log" 2>&1 \
+  && grep -q "predicted step" "$workdir/plan.log" \
+  || { cat "$workdir/plan.log"; echo "[fresh env] FAILED: unison plan with --global-batch-size"; exit 1; }
+echo "[fresh env] unison plan prices a step: ok"
