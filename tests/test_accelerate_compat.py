@@ -5,22 +5,42 @@ from __future__ import annotations
 
 import json
 import pickle
+import shutil
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from launching import WORKERS, launch_ok
+from launching import WORKERS, describe, launch, launch_ok
 
 import unison
 import unison.utils
 from unison import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
 from unison.state import DistributedType
 
+TORCH_ABORT = "terminate called without an active exception"
+"""What a rank prints when torch's C++ side calls std::terminate: seen in 2 of about 6 clean-clone runs of
+the suite, in this worker only (the one that builds a dozen Accelerators, DDP and FSDP2 models, a profiler
+and a compiled model in one process), never in 20 runs of it alone, with or without load."""
+
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
 def records(request, tmp_path_factory) -> list[dict]:
+    """The worker's records. Python's fault handler prints every thread's stack if a rank aborts, and a
+    launch that ends in torch's abort is run once more (warning with the first run's output, which says
+    where), so that abort is recorded without failing the tests of what the worker checks; any other
+    failure, or the abort twice, fails them."""
     out = tmp_path_factory.mktemp(f"accelerate_style{request.param}")
-    launch_ok(WORKERS / "accelerate_style_worker.py", request.param, out)
+    worker, env = WORKERS / "accelerate_style_worker.py", {"PYTHONFAULTHANDLER": "1"}
+    first = launch(worker, request.param, out, env=env)
+    if first.returncode != 0 and TORCH_ABORT in first.stderr:
+        message = f"torch aborted the accelerate-style worker; running it once more:\n{describe(first)}"
+        warnings.warn(message, stacklevel=2)
+        shutil.rmtree(out)
+        out.mkdir()
+        launch_ok(worker, request.param, out, env=env)
+    else:
+        assert first.returncode == 0, describe(first)
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(request.param)]
 
 
