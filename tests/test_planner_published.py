@@ -216,6 +216,7 @@ def test_cli_measure_times_the_best_layouts_here_and_picks_by_measurement(capsys
     assert [m["layout"] for m in measured] == [report["layout"], report["runners_up"][0]["layout"]]
     assert measured[0]["predicted_step_seconds"] == report["cost"]["step_seconds"]
     assert all(m["error"] is None and 0 < m["measured_step_seconds"] < 60 for m in measured), measured
+    assert report["measured_choice"] == min(measured, key=lambda m: m["measured_step_seconds"])
 
 
 def test_cli_measure_needs_a_priced_plan_for_one_node(capsys):

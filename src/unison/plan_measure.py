@@ -100,6 +100,12 @@ def _fields(config: ParallelismConfig) -> dict[str, Any]:
     return fields
 
 
+def fastest(results: list[Measurement]) -> Measurement | None:
+    """The candidate measured fastest (the pick), or None when none could be measured."""
+    timed = [r for r in results if r.measured is not None]
+    return min(timed, key=lambda r: r.measured) if timed else None
+
+
 def format_measurements(results: list[Measurement]) -> list[str]:
     """The table `unison plan --measure` prints, and the choice by measurement."""
     width = max(len(r.config.describe()) for r in results) + 2
@@ -112,9 +118,8 @@ def format_measurements(results: list[Measurement]) -> list[str]:
             lines.append(
                 f"  {r.config.describe():<{width}}{r.predicted.step:>13.3g}{r.measured:>12.3g}{ratio:>20.2f}"
             )
-    timed = [r for r in results if r.measured is not None]
-    if timed:
-        best = min(timed, key=lambda r: r.measured)
+    best = fastest(results)
+    if best is not None:
         lines.append(f"fastest measured: {best.config.describe()} ({best.measured:.3g} s per step)")
     else:
         lines.append("no candidate could be measured: see the errors above")

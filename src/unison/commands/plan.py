@@ -223,6 +223,8 @@ def run(args: argparse.Namespace) -> int:
         report = plan.to_dict()
         if measured is not None:
             report["measured"] = [m.to_dict() for m in measured]
+            best = plan_measure.fastest(measured)
+            report["measured_choice"] = None if best is None else best.to_dict()
         sys.stdout.write(json.dumps(report, indent=2) + "\n")
         return 0
     text = format_plan(args.target, plan)
