@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 from unison.cost_model import StepCost
-from unison.parallel.checkpointing import FULL
 from unison.parallel.config import ParallelismConfig
 from unison.planner import Plan
 
@@ -61,9 +60,7 @@ def measure(
         raise ValueError(f"--measure {candidates} --measure-steps {steps}: both must be 1 or more.")
     ranked = [(plan.config, plan.cost)] + [(c.config, c.cost) for c in plan.runners_up if c.cost is not None]
     results = []
-    for config, cost in ranked[:candidates]:
-        if plan.workload.activation_checkpointing:  # the step was priced with recomputation
-            config = dataclasses.replace(config, activation_checkpointing=FULL)
+    for config, cost in ranked[:candidates]:  # each config as prepare() runs it (recomputation included)
         seconds, error = _time_one(target, config, cost, plan, steps, cpu, timeout)
         results.append(Measurement(config, cost, seconds, error))
     return results

@@ -124,7 +124,7 @@ def plan_parallelism(
     """
     workload = Workload(
         precision,
-        micro_batch_size or (1 if global_batch_size else None),
+        micro_batch_size,
         seq_len,
         activation_checkpointing,
         pipeline,
@@ -148,8 +148,14 @@ def plan_for(
     if chosen is None:
         raise _nothing_fits(facts, hardware, workload, ranked)
     winner = ranked[chosen]
-    before = [dataclasses.replace(c, why=_why_lost(c, winner)) for c in ranked[max(0, chosen - 6) : chosen]]
-    after = [dataclasses.replace(c, why="ranked lower: " + c.why) for c in ranked[chosen + 1 : chosen + 4]]
+    before = [
+        dataclasses.replace(c, config=_as_run(c.config, workload), why=_why_lost(c, winner))
+        for c in ranked[max(0, chosen - 6) : chosen]
+    ]
+    after = [
+        dataclasses.replace(c, config=_as_run(c.config, workload), why="ranked lower: " + c.why)
+        for c in ranked[chosen + 1 : chosen + 4]
+    ]
     reasons = _reasons(facts, hardware, workload, winner)
     return Plan(
         _as_run(winner.config, workload), winner.memory, reasons, (*before, *after), hardware, workload, facts
@@ -207,7 +213,11 @@ def _plan_fastest(
     fastest = min(c.cost.step for c in best)
     winner = next(c for c in best if c.cost.step <= fastest * (1 + plan_speed.SAME_SPEED))
     runners_up = tuple(
-        dataclasses.replace(c, why=f"{c.cost.step / winner.cost.step - 1:+.0%} step time: " + c.why)
+        dataclasses.replace(
+            c,
+            config=_as_run(c.config, workload),
+            why=f"{c.cost.step / winner.cost.step - 1:+.0%} step time: " + c.why,
+        )
         for c in sorted((c for c in best if c is not winner), key=lambda c: c.cost.step)[:4]
     )
     chosen = dataclasses.replace(workload, micro_batch_size=winner.cost.micro_batch_size)
@@ -226,7 +236,8 @@ def _plan_fastest(
 
 
 def _as_run(config: ParallelismConfig, workload: Workload) -> ParallelismConfig:
-    """The config prepare() runs: priced with recomputation, it turns activation checkpointing on."""
+    """The config prepare() runs (the choice's and every runner-up's): priced with recomputation, it
+    turns activation checkpointing on."""
     if workload.activation_checkpointing:
         return dataclasses.replace(config, activation_checkpointing=FULL)
     return config
