@@ -54,8 +54,9 @@ GRADIENT_BYTES = 4
 """Gradients are reduced in fp32 (unison's FSDP2 policy, Megatron's main_grad), whatever the compute dtype."""
 ACTIVATION_BYTES = 2
 """Activations and gathered weights travel in bf16."""
-PCIE_BANDWIDTH = 25e9
-"""Host <-> device copies of an offloaded shard (PCIe 4.0 x16, achieved)."""
+PCIE_BANDWIDTH = 32e9
+"""PCIe 4.0 x16, one way (data sheet): host <-> device copies of an offloaded shard, and device to device in
+a node without NVLink; reached at LINK_EFFICIENCY like every link."""
 CPU_ADAM_PARAMETERS_PER_SECOND = 1e9
 """An offloaded optimizer step on the host (AdamW over fp32 shards, a few cores)."""
 
@@ -260,7 +261,7 @@ def step_cost(
         communication["pp send/recv"] = exposed["pp send/recv"] = seconds
     if config.offload:
         shard = shape.parameters / max(1, shards)
-        seconds = shard * (ACTIVATION_BYTES + GRADIENT_BYTES) / PCIE_BANDWIDTH
+        seconds = shard * (ACTIVATION_BYTES + GRADIENT_BYTES) / (PCIE_BANDWIDTH * LINK_EFFICIENCY)
         seconds += shard / CPU_ADAM_PARAMETERS_PER_SECOND
         communication["offload copies and host step"] = exposed["offload copies and host step"] = seconds
     return StepCost(

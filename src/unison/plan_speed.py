@@ -16,15 +16,13 @@ import dataclasses
 
 import torch
 
-from unison.cost_model import DEVICES, Batch, DeviceSpec
+from unison.cost_model import DEVICES, PCIE_BANDWIDTH, Batch, DeviceSpec
 from unison.hardware import Hardware
 from unison.parallel.config import ParallelismConfig
 from unison.plan_inputs import Workload
 
 DEFAULT_DEVICE = "h100"
 """The device priced when none is named: the planner's default memory (80GB) is an H100's or A100's."""
-PCIE_BANDWIDTH = 32e9
-"""Device-to-device bandwidth one way over PCIe 4.0 x16 (a node without NVLink)."""
 ETHERNET_BANDWIDTH = 12.5e9
 """One node's network when the nodes are linked by 'ethernet' (100 Gb/s), shared by its devices."""
 SAME_SPEED = 0.03
