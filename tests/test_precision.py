@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 from torch import nn
@@ -201,3 +205,40 @@ def test_a_hugging_face_model_given_labels_keeps_its_logits_in_bf16_and_its_loss
     output = model(input_ids=ids, labels=ids)
     assert output.loss.dtype == torch.float32 and output["loss"] is output.loss
     assert output.logits.dtype == torch.bfloat16
+
+
+def test_fp16_scaler_unscales_plain_and_dtensor_gradients_together():
+    """Tensor parallelism leaves norms as plain tensors beside DTensor weights; torch's fused unscale
+    refuses that mix, so the scaler unscales each layout separately (an overflow in either skips the step)."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import Shard, distribute_tensor
+        from unison.precision import LayoutGroupedGradScaler
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+        mesh = init_device_mesh("cpu", (1,))
+        plain = torch.nn.Parameter(torch.ones(4))
+        sharded = torch.nn.Parameter(distribute_tensor(torch.ones(4, 2), mesh, [Shard(0)]))
+        optimizer = torch.optim.SGD([plain, sharded], lr=1.0)
+        for overflow in (False, True):
+            scaler = LayoutGroupedGradScaler("cpu", init_scale=4.0)
+            scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
+            plain.grad = torch.full((4,), 8.0)
+            grad = torch.full((4, 2), float("inf") if overflow else 4.0)
+            sharded.grad = distribute_tensor(grad, mesh, [Shard(0)])
+            scaler.unscale_(optimizer)
+            assert plain.grad.tolist() == [2.0] * 4, plain.grad
+            if not overflow:
+                assert sharded.grad.full_tensor().eq(1.0).all(), sharded.grad
+            before = sharded.detach().full_tensor().clone()
+            scaler.step(optimizer)
+            scaler.update()
+            moved = not torch.equal(sharded.detach().full_tensor(), before)
+            assert moved != overflow and (scaler.get_scale() < 4.0) == overflow, (overflow, scaler.get_scale())
+        dist.destroy_process_group()
+        print("ok")
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

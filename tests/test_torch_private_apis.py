@@ -189,3 +189,23 @@ def test_torch_dispatch_mode_base_class():
     with Record():
         torch.ones(2) @ torch.ones(2)
     assert torch.ops.aten.dot.default in seen
+
+
+def test_grad_scaler_unscales_through_unscale_grads():
+    """unison.precision.LayoutGroupedGradScaler replaces GradScaler._unscale_grads_(optimizer, inv_scale,
+    found_inf, allow_fp16), which unscale_ calls and whose per-device flags step() reads."""
+    calls = []
+
+    class Counting(torch.amp.GradScaler):
+        def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+            calls.append(allow_fp16)
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+
+    param = torch.nn.Parameter(torch.ones(2))
+    param.grad = torch.full((2,), 4.0)
+    optimizer = torch.optim.SGD([param], lr=1.0)
+    scaler = Counting("cpu", init_scale=2.0)
+    scaler.scale(torch.ones(()))
+    scaler.unscale_(optimizer)
+    scaler.step(optimizer)
+    assert calls == [False] and param.grad.tolist() == [2.0, 2.0] and param.tolist() == [-1.0, -1.0]

@@ -16,6 +16,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from .ops import recursively_apply
+from .parallel.engines import is_dtensor
 
 AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -39,7 +40,7 @@ class PrecisionPolicy:
         self.dtype = AUTOCAST_DTYPES.get(mixed_precision)
         self.autocast_enabled, self.autocast_options = _autocast_settings(autocast_kwargs or {})
         self.scaler = (
-            torch.amp.GradScaler(self.device_type, **(scaler_kwargs or {}))
+            LayoutGroupedGradScaler(self.device_type, **(scaler_kwargs or {}))
             if mixed_precision == "fp16"
             else None
         )
@@ -98,6 +99,53 @@ class PrecisionPolicy:
             output["loss"] = _to_fp32(output["loss"])  # a ModelOutput keeps its attribute in step
             return output
         return recursively_apply(_to_fp32, output)
+
+
+class LayoutGroupedGradScaler(torch.amp.GradScaler):
+    """torch's GradScaler, unscaling plain and DTensor gradients in separate calls.
+
+    torch unscales every gradient of a device and dtype with one fused op, which refuses a list that mixes
+    plain tensors and DTensors: exactly what tensor parallelism leaves (the plan shards the linear layers;
+    norms stay plain tensors), so fp16 under TP alone failed at its first unscale. Each layout (plain, or
+    one DTensor mesh and placement) gets its own call here. The DTensor calls also make the overflow flag
+    agree across the mesh (torch all-reduces it by the max over the dimensions the *first* gradient of a
+    call is sharded on: one placement per call makes that the right set). Only `_unscale_grads_` is
+    replaced, torch's private method that `unscale_` calls (pinned in tests/test_torch_private_apis.py).
+    """
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        groups = _params_by_gradient_layout(optimizer.param_groups)
+        if len(groups) <= 1:
+            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
+        found_per_device: dict[torch.device, torch.Tensor] = {}
+        for params in groups:
+            one_layout = _ParamGroupsOnly([{"params": params}])
+            found_here = super()._unscale_grads_(one_layout, inv_scale, found_inf, allow_fp16)
+            for device, found in found_here.items():
+                seen = found_per_device.get(device)
+                merged = found if seen is None or seen is found else torch.maximum(seen, found)
+                found_per_device[device] = merged
+        return found_per_device
+
+
+class _ParamGroupsOnly:
+    """What GradScaler._unscale_grads_ reads of an optimizer: its param_groups."""
+
+    def __init__(self, param_groups: list[dict[str, Any]]):
+        self.param_groups = param_groups
+
+
+def _params_by_gradient_layout(param_groups: list[dict[str, Any]]) -> list[list[torch.Tensor]]:
+    """The parameters with a gradient, grouped by the gradient's layout: plain, or (mesh, placements)."""
+    groups: dict[Any, list[torch.Tensor]] = {}
+    for group in param_groups:
+        for param in group["params"]:
+            grad = param.grad
+            if grad is None:
+                continue
+            layout = (grad.device_mesh, tuple(grad.placements)) if is_dtensor(grad) else None
+            groups.setdefault(layout, []).append(param)
+    return list(groups.values())
 
 
 def check_convert_outputs(value: Any) -> bool | None:
