@@ -1,12 +1,14 @@
 """ParallelismConfig validation, the --parallelism / UNISON_PARALLELISM plumbing, and real DeviceMeshes."""
 
+import copy
 import json
+import logging
 
 import pytest
 import torch
 from launching import WORKERS, launch_ok
 
-from unison import Accelerator, launch_env, launch_options, launcher
+from unison import Accelerator, DistributedType, launch_env, launch_options, launcher
 from unison.launcher import LaunchError, LaunchOptions
 from unison.parallel.config import ParallelismConfig
 from unison.parallel.mesh import mesh_layout
@@ -81,7 +83,7 @@ def test_good_layouts_fill_the_world(config, world, expected):
             ["makes 2 stages", "at least 2 stages per rank", "give 3 split points"],
         ),
         (
-            ParallelismConfig(tp_size=2, zero_stage=2),
+            ParallelismConfig(tp_size=2, zero_stage=2, dp_shard_size=1),
             2,
             ["zero_stage=2 shards over the dp_shard", "dp_shard_size=1"],
         ),
@@ -317,3 +319,60 @@ def test_zero_blocks_needs_a_sharding_stage():
     )
     with pytest.raises(ValueError, match="zero_blocks='transformer.h' names the block list"):
         ParallelismConfig(zero_blocks="transformer.h").validate(2)  # plain DDP shards nothing
+
+
+@pytest.mark.parametrize("spec", ["zero1", "zero2", "zero3", "zero3,offload=true"])
+def test_a_zero_stage_on_one_process_runs_unsharded_and_says_so(spec):
+    """The same script runs as `python train.py`: ZeRO over one process is plain training."""
+    asked = ParallelismConfig.from_string(spec)
+    resolved = asked.validate(1)
+    assert (resolved.zero_stage, resolved.offload, resolved.zero_blocks, resolved.total_size) == (
+        None,
+        False,
+        None,
+        1,
+    )
+    assert resolved.describe() == "single process"
+    note = asked.unsharded_note(1)
+    assert note.startswith(f"zero_stage={asked.zero_stage}") and "on 1 process as single process" in note
+    assert ("offload=true" in note) == asked.offload
+    assert asked.unsharded_note(2) is None  # two processes shard
+    assert ParallelismConfig().unsharded_note(1) is None
+    assert ParallelismConfig(zero_stage=2, zero_blocks="h").validate(1).zero_blocks is None
+
+
+def test_zero_with_tensor_parallel_on_the_tp_processes_alone_runs_tensor_parallel():
+    asked = ParallelismConfig(zero_stage=3, tp_size=2)
+    resolved = asked.validate(2)
+    assert (resolved.tp_size, resolved.dp_shard_size, resolved.zero_stage) == (2, 1, None)
+    assert "as tp=2" in asked.unsharded_note(2)
+    assert asked.validate(4).zero_stage == 3  # a second dp rank: sharded again
+    with pytest.raises(ValueError, match="multiply to 2, but the world size is 1"):
+        asked.validate(1)  # tp_size=2 names more processes than exist: still refused
+
+
+def test_single_process_accelerator_with_zero3_trains_as_plain_torch(fresh_state, caplog):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    reference = copy.deepcopy(model)
+    batch = torch.randn(16, 4, generator=torch.Generator().manual_seed(1))
+    with caplog.at_level(logging.WARNING, logger="unison"):
+        accelerator = Accelerator(cpu=True, parallelism="zero3")
+    assert [r.getMessage() for r in caplog.records if "zero_stage=3" in r.getMessage()] == [
+        ParallelismConfig(zero_stage=3).unsharded_note(1)
+    ]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model, optimizer = accelerator.prepare(model, optimizer)
+    assert accelerator.distributed_type == DistributedType.NO and type(model) is torch.nn.Sequential
+    reference_optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        for net, opt, backward in (
+            (model, optimizer, accelerator.backward),
+            (reference, reference_optimizer, None),
+        ):
+            loss = net(batch).square().mean()
+            backward(loss) if backward else loss.backward()
+            opt.step()
+            opt.zero_grad()
+    for mine, theirs in zip(model.parameters(), reference.parameters()):
+        assert torch.equal(mine, theirs)

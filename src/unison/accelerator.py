@@ -9,6 +9,7 @@ Names and defaults follow Hugging Face Accelerate so that a script migrates by c
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import weakref
 from collections import OrderedDict
@@ -61,6 +62,8 @@ from .state import AcceleratorState, DistributedType, GradientState
 from .tracking.base import GeneralTracker, LoggerType, resolve_log_with
 from .tracking.methods import TrackingMethods
 from .training_step import TrainingStepMethods
+
+logger = logging.getLogger("unison")
 
 
 def _validate_accumulation_steps(value: Any) -> int:
@@ -192,7 +195,11 @@ class Accelerator(
         self._auto_options = auto_options(parallelism) if is_auto(parallelism) else {}  # bad facts fail here
         if not is_auto(parallelism):  # "auto": chosen from the first model prepare() sees
             # Pure check of the degrees against the world size: every rank raises the same error, before work.
-            self._set_layout(ParallelismConfig.coerce(parallelism).validate(self.num_processes))
+            asked = ParallelismConfig.coerce(parallelism)
+            self._set_layout(asked.validate(self.num_processes))
+            note = asked.unsharded_note(self.num_processes)
+            if note is not None and self.is_main_process:
+                logger.warning(note)
         # id(parameter before prepare) -> its sharded replacement, for optimizers built before prepare().
         self._replaced_parameters: dict[int, torch.nn.Parameter | None] = {}
 

@@ -229,7 +229,33 @@ class ParallelismConfig:
         zero_stage = self.zero_stage
         if zero_stage is None and sizes["dp_shard_size"] > 1:
             zero_stage = 3
+        if self._nothing_left_to_shard(sizes):
+            # The same script on fewer processes (one, with `python train.py`): ZeRO over a single
+            # process is plain training, so it runs as such (unsharded_note says so) instead of failing.
+            keep_blocks = self.zero_blocks if self.activation_checkpointing else None
+            return dataclasses.replace(self, zero_stage=None, offload=False, zero_blocks=keep_blocks, **sizes)
         return dataclasses.replace(self, zero_stage=zero_stage, **sizes)
+
+    def _nothing_left_to_shard(self, sizes: dict[str, int]) -> bool:
+        """A ZeRO stage asked for with dp_shard_size left to fill, and no process left to fill it with."""
+        return (
+            self.zero_stage is not None
+            and self.dp_shard_size is None
+            and sizes["dp_shard_size"] == 1
+            and sizes["cp_size"] == 1
+        )
+
+    def unsharded_note(self, world_size: int) -> str | None:
+        """The line that says a ZeRO stage runs unsharded on `world_size` processes, or None."""
+        resolved = self.validate(world_size)
+        if self.zero_stage is None or resolved.zero_stage is not None or resolved.dp_shard_size != 1:
+            return None
+        extra = " (and offload=true: the state stays on the device)" if self.offload else ""
+        return (
+            f"zero_stage={self.zero_stage}{extra} on {world_size} process{'es' if world_size > 1 else ''} "
+            f"as {resolved.describe()}: there is no second process to shard over, so parameters, gradients "
+            "and optimizer state stay whole; launch more processes to shard them"
+        )
 
     def _check_product(self, world_size: int) -> None:
         if self.total_size == world_size:
