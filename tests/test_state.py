@@ -171,6 +171,20 @@ def test_bad_timeouts(fresh_state, monkeypatch, timeout, env, match):
         PartialState(cpu=True, timeout=timeout)
 
 
+@pytest.mark.parametrize(
+    "timeout, error, match",
+    [
+        ("10", TypeError, "timeout='10' is a str: pass the collectives' timeout as a number of seconds"),
+        (True, TypeError, "timeout=True is a bool"),
+        (float("inf"), ValueError, "timeout=inf seconds is not allowed: collectives need a finite"),
+        (float("nan"), ValueError, "timeout=nan seconds"),
+    ],
+)
+def test_timeouts_that_are_no_number_of_seconds(fresh_state, timeout, error, match):
+    with pytest.raises(error, match=match):
+        Accelerator(cpu=True, timeout=timeout)
+
+
 def test_bad_launch_variables(fresh_state, monkeypatch):
     monkeypatch.setenv(launch_env.CPU, "maybe")
     with pytest.raises(ValueError, match="UNISON_CPU='maybe'"):

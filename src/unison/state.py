@@ -15,6 +15,7 @@ import enum
 import functools
 import gc
 import logging
+import math
 import os
 import signal
 import sys
@@ -73,7 +74,12 @@ def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
         timeout = launch_env.env_float(launch_env.TIMEOUT, DEFAULT_TIMEOUT_SECONDS)
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
-    if not timeout > 0:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(
+            f"timeout={timeout!r} is a {type(timeout).__name__}: pass the collectives' timeout as a number "
+            "of seconds or a datetime.timedelta, e.g. timeout=600 or timeout=timedelta(minutes=10)."
+        )
+    if not 0 < timeout < math.inf:
         raise ValueError(
             f"timeout={timeout!r} seconds is not allowed: collectives need a finite, positive timeout "
             "so a stuck process cannot hang the others forever. Pass e.g. timeout=600."
