@@ -198,17 +198,17 @@ class TrainingStepMethods:
             counted = self._item_count.begin_backward(num_items)
             # a mean loss: gradients of the micro-batches' mean, divided over the accumulation window;
             # a summed loss (num_items): gradients of the micro-batches' sum, normalised at the window end
-            divide_by = self.gradient_accumulation_steps if counted is None else 1 / model.microbatches
             with self._loss_parallel():
                 loss = model.step(
                     inputs,
                     target,
                     loss_fn,
-                    divide_by=divide_by,
+                    divide_by=self.gradient_accumulation_steps if counted is None else 1,
                     sync=self.sync_gradients or self.sync_each_batch,
+                    reduction="mean" if counted is None else "sum",
                 )
             self._end_backward(counted)
-            return loss if counted is None else loss * model.microbatches
+            return loss
         loss = self._forward_and_loss(model, inputs, target, loss_fn)
         self.backward(loss, num_items=num_items)
         loss = loss.detach()

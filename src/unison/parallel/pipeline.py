@@ -17,6 +17,7 @@ receive the same update as the single tied parameter of the plain model.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
@@ -28,7 +29,14 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.pipeline_split import _check_schedule, _StageModule, _Tie, split_model
 
-__all__ = ["LossFn", "PipelineModel", "build_pipeline", "pipeline_bubble_fraction", "split_model"]
+__all__ = [
+    "LossFn",
+    "PipelineModel",
+    "build_pipeline",
+    "microbatches_for",
+    "pipeline_bubble_fraction",
+    "split_model",
+]
 
 LossFn = Callable[[Any, torch.Tensor], torch.Tensor]
 
@@ -66,7 +74,7 @@ class PipelineModel(nn.Module):
     def __init__(
         self,
         stages: Sequence[_StageModule],
-        schedule: Any,
+        build_schedule: _ScheduleBuilder,
         group: dist.ProcessGroup,
         microbatches: int,
         device: torch.device,
@@ -76,7 +84,6 @@ class PipelineModel(nn.Module):
         super().__init__()
         self.stage_modules = list(stages)  # a list, not children: each module is registered once, below
         _merge_into(self, self.stage_modules)
-        self.schedule = schedule
         self.microbatches = microbatches
         self._group, self._device = group, device
         self._tie_groups, self._norm_excluded = tie_groups, norm_excluded
@@ -86,7 +93,16 @@ class PipelineModel(nn.Module):
         self._loss_fn: LossFn | None = None
         self._loss_scale = 1.0
         self._losses: list[torch.Tensor] = []
-        self._shapes: tuple[bool, tuple] | None = None  # (training?, shapes) the schedule was sized for
+        # torch sizes a schedule's send/receive buffers on its first call: one schedule per (training?,
+        # batch shapes), the one built first for the first call; the first shapes of each mode fix the
+        # regular micro-batch size and the dimensions other than the batch
+        self._build_schedule = build_schedule
+        build_schedule.loss_fn = self._loss
+        self.schedule = build_schedule(microbatches)  # the regular batches'
+        self._first_schedule: Any = self.schedule
+        self._schedules: dict[tuple[bool, tuple], tuple[Any, int]] = {}
+        self._regular: dict[bool, tuple] = {}
+        self._ran: list[Any] = []  # schedules that have inferred their shapes
         # tied weights' gradients from before the accumulation window in progress, None between windows
         self._held_tied_grads: list[list[torch.Tensor | None]] | None = None
 
@@ -111,64 +127,123 @@ class PipelineModel(nn.Module):
         return (p for p in self.parameters() if id(p) not in self._norm_excluded)
 
     def step(
-        self, inputs: Any, target: torch.Tensor, loss_fn: LossFn, *, divide_by: float = 1.0, sync: bool = True
+        self,
+        inputs: Any,
+        target: torch.Tensor,
+        loss_fn: LossFn,
+        *,
+        divide_by: float = 1.0,
+        sync: bool = True,
+        reduction: str = "mean",
     ) -> torch.Tensor:
-        """Forward and backward of all micro-batches; returns the mean loss (detached) on every rank.
+        """Forward and backward of all micro-batches; returns the batch's loss (detached) on every rank.
 
         inputs: the model's positional input (a tensor or a tuple of tensors), the whole batch, on
             every pipeline rank (every stage runs the model's forward on its micro-batches).
-        loss_fn(output, target): output as the model returns it (GPT: `(logits, None)`), mean-reduced.
-        divide_by: gradients become those of mean_loss / divide_by (gradient accumulation); the
+        loss_fn(output, target): output as the model returns it (GPT: `(logits, None)`).
+        reduction: "mean": loss_fn returns a micro-batch's mean; the gradients and the returned loss
+            are those of the batch's mean (the mean of its equal micro-batches' means). "sum": loss_fn
+            returns a micro-batch's sum over its items; they are those of the batch's sum.
+        divide_by: gradients become those of that loss / divide_by (gradient accumulation); the
             returned loss is not divided. Gradients accumulate into `.grad` across calls.
         sync: False on the non-final micro-steps of an accumulation window: the copies of a weight tied
             across stages keep their local gradients, summed over the pipeline ranks once, by the call
             that ends the window (the sum is linear: one all-reduce of the window's total is the same).
+
+        A batch of another size than the first call's (a loader's short last batch) runs too, in a
+        schedule of its own (`microbatches_for` says how many micro-batches).
         """
-        inputs = self._prepare(inputs, target, loss_fn, training=True)
-        self._loss_scale = 1.0 / (self.microbatches * divide_by)
+        if reduction not in ("mean", "sum"):
+            raise ValueError(f"reduction={reduction!r}: pass 'mean' (loss_fn returns means) or 'sum' (sums).")
+        inputs, schedule, microbatches = self._prepare(inputs, target, loss_fn, training=True)
+        self._loss_scale = (1.0 / microbatches if reduction == "mean" else 1.0) / divide_by
         if self._held_tied_grads is None:  # the window's first call: set aside what was reduced before
             self._held_tied_grads = [[self._detach_grad(p) for p in params] for params, _ in self._tie_groups]
         # keyword arguments reach every stage (split into micro-batches): each recomputes from the
         # model's inputs what the model computes before its blocks (positions, masks, rotary tables)
-        self.schedule.step(target=target, inputs=inputs)
+        with self._gradients_kept(schedule):
+            schedule.step(target=target, inputs=inputs)
         if sync:
             for (params, group), previous in zip(self._tie_groups, self._held_tied_grads):
                 for param, before in zip(params, previous):
                     self._sum_tied_grad(param, before, group)
             self._held_tied_grads = None
-        return self._mean_loss()
+        loss = self._mean_loss(microbatches)
+        return loss if reduction == "mean" else loss * microbatches
 
     @torch.no_grad()
     def evaluate(self, inputs: Any, target: torch.Tensor, loss_fn: LossFn) -> torch.Tensor:
-        """Forward only (torch's `schedule.eval`): the mean loss over micro-batches on every rank."""
-        inputs = self._prepare(inputs, target, loss_fn, training=False)
-        self.schedule.eval(target=target, inputs=inputs)
-        return self._mean_loss()
+        """Forward only (torch's `schedule.eval`): the batch's mean loss on every rank (the mean over its
+        equal micro-batches' means); a short last batch runs as in `step`."""
+        inputs, schedule, microbatches = self._prepare(inputs, target, loss_fn, training=False)
+        with self._gradients_kept(schedule):
+            schedule.eval(target=target, inputs=inputs)
+        return self._mean_loss(microbatches)
 
     def _prepare(self, inputs: Any, target: torch.Tensor, loss_fn: LossFn, training: bool) -> tuple:
-        """Checks (the same verdict on every rank, before any communication) and the micro-batch shapes;
-        returns the inputs this rank hands the schedule."""
+        """Checks (the same verdict on every rank, before any communication) and the schedule for these
+        batch shapes; returns the inputs this rank hands the schedule, the schedule and its number of
+        micro-batches."""
         inputs = tuple(inputs) if isinstance(inputs, (tuple, list)) else (inputs,)
-        m = self.microbatches
-        for name, tensor in [*((f"inputs[{i}]", t) for i, t in enumerate(inputs)), ("target", target)]:
+        tensors = [*((f"inputs[{i}]", t) for i, t in enumerate(inputs)), ("target", target)]
+        for name, tensor in tensors:
             if not isinstance(tensor, torch.Tensor) or tensor.dim() == 0:
                 raise TypeError(f"{name} must be a batched tensor, got {type(tensor).__name__}.")
-            if tensor.shape[0] % m:
-                raise ValueError(
-                    f"{name} has batch size {tensor.shape[0]}, not divisible into {m} micro-batches: use a "
-                    f"batch size that is a multiple of {m} (drop_last=True for the data loader)."
-                )
-        shapes = tuple(tuple(t.shape) for t in (*inputs, target))
-        if self._shapes is not None and self._shapes[0] == training and self._shapes[1] != shapes:
+        shapes = tuple(tuple(t.shape) for _, t in tensors)
+        regular = self._regular.get(training, shapes)
+        if [s[1:] for s in shapes] != [s[1:] for s in regular]:
             raise ValueError(
-                f"batch shapes {shapes} differ from {self._shapes[1]} of the previous "
-                f"{'step' if training else 'evaluate'} call: the pipeline's send/receive buffers are "
-                "sized on the first call. Keep batch shapes fixed (drop_last=True, fixed sequence length)."
+                f"batch shapes {shapes} differ from {regular} of the first "
+                f"{'step' if training else 'evaluate'} call in more than the batch size: the pipeline's "
+                "send/receive buffers are sized for the shapes it saw, and only a batch of another size "
+                "(a loader's short last batch) gets a schedule of its own. Keep the other dimensions "
+                "fixed (pad sequences to one length)."
             )
-        self._shapes = (training, shapes)
+        m = self.microbatches
+        microbatches = m
+        if shapes != regular:  # another batch size than the first call's: the loader's short last batch
+            pp_size = dist.get_world_size(self._group)
+            micro_rows = max(1, regular[0][0] // m)
+            microbatches = microbatches_for(
+                shapes[0][0], micro_rows, pp_size, self._build_schedule.interleaved
+            )
+        for name, tensor in tensors:
+            if tensor.shape[0] % microbatches:
+                raise ValueError(
+                    f"{name} has batch size {tensor.shape[0]}, not divisible into {microbatches} "
+                    f"micro-batches: use a batch size that is a multiple of {m} (only a loader's last "
+                    "batch may be another size), the same for every input and the target."
+                )
+        self._regular.setdefault(training, shapes)
+        key = (training, shapes)
+        if key not in self._schedules:
+            if microbatches == m and self._first_schedule is not None:  # the one build_pipeline made
+                schedule, self._first_schedule = self._first_schedule, None
+            else:
+                schedule = self._build_schedule(microbatches)
+            self._schedules[key] = (schedule, microbatches)
         self._loss_fn = loss_fn
         self._losses.clear()
-        return inputs
+        schedule, microbatches = self._schedules[key]
+        return inputs, schedule, microbatches
+
+    @contextlib.contextmanager
+    def _gradients_kept(self, schedule: Any) -> Iterator[None]:
+        """A schedule's first call infers its shapes by running a micro-batch through the stages, after
+        which torch drops the gradients of FSDP-sharded stages (`_post_metadata_inference_cleanup`). A
+        schedule first run inside an accumulation window (a short last batch, an evaluation) would lose
+        the window's gradients so far: they are set aside around that first call and added back."""
+        if schedule in self._ran:
+            yield
+            return
+        self._ran.append(schedule)
+        params = [p for p in self.parameters() if p.grad is not None]
+        held = [self._detach_grad(p) for p in params]
+        try:
+            yield
+        finally:
+            for param, grad in zip(params, held):
+                param.grad = grad if param.grad is None else param.grad.add_(grad)
 
     def _loss(self, stage_output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the user's, on the model's own output structure, scaled so the
@@ -179,12 +254,12 @@ class PipelineModel(nn.Module):
         self._losses.append(value.full_tensor() if hasattr(value, "full_tensor") else value)  # loss_parallel
         return loss * self._loss_scale
 
-    def _mean_loss(self) -> torch.Tensor:
+    def _mean_loss(self, microbatches: int) -> torch.Tensor:
         """Mean of this call's micro-batch losses, broadcast from the last stage's rank."""
         result = torch.zeros((), dtype=torch.float32, device=self._device)
         if self.stage_modules[-1].stage_index == self.stage_modules[-1].num_stages - 1:
-            # the schedule's shape inference calls the loss once more on its first call: take the last m
-            result.copy_(torch.stack(self._losses[-self.microbatches :]).mean())
+            # a schedule's shape inference calls the loss once more on its first call: take the last ones
+            result.copy_(torch.stack(self._losses[-microbatches:]).mean())
         dist.broadcast(result, group=self._group, group_src=dist.get_world_size(self._group) - 1)
         return result
 
@@ -266,31 +341,62 @@ def build_pipeline(
     if device is None:
         device = next(iter(inner[0].parameters())).device
     device = torch.device(device)
-    # torch.distributed.pipelining imports torch._dynamo (0.4 s): loaded only by pipeline layouts.
-    from torch.distributed.pipelining import (
-        PipelineStage,
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
-    )
-
-    pipe_stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stages]
-    model_ref: list[PipelineModel] = []
-
-    def loss_fn(output: Any, target: torch.Tensor) -> torch.Tensor:
-        return model_ref[0]._loss(output, target)
-
-    options = dict(n_microbatches=microbatches, loss_fn=loss_fn, scale_grads=False)
-    if schedule == "interleaved":
-        runner = ScheduleInterleaved1F1B(pipe_stages, **options)
-    elif schedule == "1f1b" and microbatches >= num_stages:
-        runner = Schedule1F1B(pipe_stages[0], **options)
-    else:
-        runner = ScheduleGPipe(pipe_stages[0], **options)
+    build_schedule = _ScheduleBuilder(stages, num_stages, device, group, schedule)
     tie_groups, norm_excluded = _tie_groups(inner, group, pp_rank, pp_size)
-    model = PipelineModel(inner, runner, group, microbatches, device, tie_groups, norm_excluded)
-    model_ref.append(model)
-    return model
+    return PipelineModel(inner, build_schedule, group, microbatches, device, tie_groups, norm_excluded)
+
+
+class _ScheduleBuilder:
+    """Builds torch schedules of this rank's stages for a number of micro-batches: one for the regular
+    batches, one more for each other batch size (a loader's short last batch). Each gets its own
+    `PipelineStage`s, whose send/receive buffers torch sizes on the schedule's first call; the stage
+    modules are shared."""
+
+    def __init__(
+        self,
+        stages: Sequence[tuple[int, nn.Module]],
+        num_stages: int,
+        device: torch.device,
+        group: dist.ProcessGroup,
+        schedule: str,
+    ):
+        self.stages, self.num_stages, self.device, self.group = stages, num_stages, device, group
+        self.schedule, self.interleaved = schedule, schedule == "interleaved"
+        self.loss_fn: LossFn | None = None  # the PipelineModel's, which scales the user's
+
+    def __call__(self, microbatches: int) -> Any:
+        # torch.distributed.pipelining imports torch._dynamo (0.4 s): loaded only by pipeline layouts.
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        pipe_stages = [
+            PipelineStage(module, index, self.num_stages, self.device, group=self.group)
+            for index, module in self.stages
+        ]
+        options = dict(n_microbatches=microbatches, loss_fn=self.loss_fn, scale_grads=False)
+        if self.interleaved:
+            return ScheduleInterleaved1F1B(pipe_stages, **options)
+        if self.schedule == "1f1b" and microbatches >= self.num_stages:
+            return Schedule1F1B(pipe_stages[0], **options)
+        return ScheduleGPipe(pipe_stages[0], **options)
+
+
+def microbatches_for(rows: int, micro_batch_rows: int, pp_size: int, interleaved: bool) -> int:
+    """How many micro-batches a batch of `rows` runs in when its size is not the regular one (a loader's
+    short last batch): torch's schedules send equal shapes, so a count that divides the batch; the
+    fewest whose micro-batches hold at most the regular `micro_batch_rows` (no more activation memory
+    than a regular step), or the most if none does. Interleaved 1F1B also needs a multiple of the rounds
+    it runs them in (count // pp_size). 2 rows, regular micro-batches of 1: 2; 3 rows, of 2: 3;
+    2 rows, of 2: 1. Equal micro-batches make the mean of their mean losses the batch's mean."""
+    counts = [
+        d for d in range(1, rows + 1) if rows % d == 0 and not (interleaved and d % max(1, d // pp_size))
+    ]
+    fitting = [d for d in counts if rows // d <= micro_batch_rows]
+    return min(fitting) if fitting else max(counts)
 
 
 def _tie_groups(

@@ -1,0 +1,52 @@
+"""Pipeline parallelism over an epoch whose last batch is short (drop_last=False, PyTorch's default).
+
+One launch of tests/workers/pipeline_tail_worker.py (2 processes, pp_size=2): the ordinary unison loop
+with accumulation 2, clipping, a scheduler that changes the lr every step and an evaluation loader with
+the same short tail, against the same loop done by hand on one model. The tail runs in a schedule of
+its own, cut into equal micro-batches (`microbatches_for`, tested here in-process).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from launching import WORKERS, launch_ok
+from pipeline_tail_worker import RUNS
+
+from unison.parallel.pipeline import microbatches_for
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("pipeline_tail") / "report.json"
+    launch_ok(WORKERS / "pipeline_tail_worker.py", 2, out, *RUNS)
+    return json.loads(out.read_text())["runs"]
+
+
+@pytest.mark.parametrize("name", RUNS)
+def test_a_short_last_batch_trains_and_evaluates_as_one_process(report, name):
+    run = report[name]
+    assert "error" not in run, run
+    assert run["batches"] == 5 and run["lr"] == pytest.approx(0.5 / 4), run  # 3 windows: 3 scheduler steps
+    assert run["max_abs_diff"] < 1e-6, run  # SGD+momentum, parameter for parameter
+    assert run["loss_diff"] < (1e-4 if name.endswith("items") else 1e-6), run  # summed losses: ~30 tokens
+    assert run["norm_diff"] < 1e-5, run  # what clip_grad_norm_ returned in each window
+    assert run["eval_diff"] < 1e-6, run  # forward_loss of every evaluation batch, the short one too
+    assert 0 < run["clipped"] < 3, run  # clipping acted in some windows, not in all
+
+
+@pytest.mark.parametrize(
+    ("rows", "micro_rows", "pp_size", "interleaved", "expected"),
+    [
+        (4, 2, 2, False, 2),  # the regular batch: its own micro-batch count
+        (2, 2, 2, False, 1),  # 18 samples in 4s, 2 micro-batches: the tail of 2 in one
+        (2, 1, 2, False, 2),  # 2 samples, 4 micro-batches of 1: 2 micro-batches
+        (3, 2, 2, False, 3),  # 3 samples, micro-batches of 2: 3 of 1, not 1 of 3 (more memory)
+        (6, 4, 2, False, 2),
+        (5, 2, 2, True, 1),  # interleaved: 5 would run in 2 rounds, which 5 does not divide
+        (7, 8, 4, True, 1),
+    ],
+)
+def test_microbatches_for_a_short_batch(rows, micro_rows, pp_size, interleaved, expected):
+    assert microbatches_for(rows, micro_rows, pp_size, interleaved) == expected
