@@ -13,7 +13,12 @@ from unison.cost_model import (
     DEVICES,
     GRADIENT_BYTES,
     HIDDEN_HALF_EFFICIENCY,
+    KERNEL_SECONDS,
+    KERNELS_OUTSIDE_BLOCKS,
+    KERNELS_PER_BLOCK,
+    KERNELS_PER_COLLECTIVE,
     LINK_EFFICIENCY,
+    TOKENS_HALF_EFFICIENCY,
     Batch,
     DeviceSpec,
     step_cost,
@@ -43,14 +48,24 @@ def test_compute_counts_6n_plus_attention_and_a_third_more_when_recomputing():
     tokens = 8 * SEQ
     flops = (6 * shape.parameters + 12 * 24 * 2304 * SEQ) * tokens
     assert plain.model_flops == pytest.approx(flops)
-    # a narrow model reaches less of the peak: h / (h + h0) of `efficiency`
+    # a narrow model reaches less of the peak: h / (h + h0) of `efficiency`; a micro-batch of T tokens
+    # T / (T + T0) of that
     assert plain.compute == pytest.approx(
-        flops / (A100.peak_flops * 0.5 * 2304 / (2304 + HIDDEN_HALF_EFFICIENCY))
+        flops
+        / (
+            A100.peak_flops
+            * 0.5
+            * 2304
+            / (2304 + HIDDEN_HALF_EFFICIENCY)
+            * SEQ
+            / (SEQ + TOKENS_HALF_EFFICIENCY)
+        )
     )
     recomputed = step_cost(shape, layout(1), A100, 8, Batch(8, SEQ, recompute=True), efficiency=0.5)
     assert recomputed.hardware_flops == pytest.approx(flops * 4 / 3)
     assert recomputed.model_flops == pytest.approx(flops)  # MFU does not count the recomputation
-    assert recomputed.mfu == pytest.approx(plain.mfu * 3 / 4)
+    assert recomputed.compute == pytest.approx(plain.compute * 4 / 3)
+    assert recomputed.mfu == pytest.approx(plain.mfu * 3 / 4, rel=0.01)  # the launches are not recomputed
 
 
 @pytest.mark.parametrize("schedule, per_device", [("1f1b", 1), ("gpipe", 1), ("interleaved", 2)])
@@ -58,7 +73,7 @@ def test_the_bubble_is_p_minus_1_over_vm_plus_p_minus_1_of_the_pipeline(schedule
     p, dp, m = 4, 2, 12
     config = layout(p * dp, pp_size=p, dp_replicate_size=dp, pp_schedule=schedule)
     cost = step_cost(gpt(24, 1024), config, A100, 8, Batch(dp * m, SEQ))
-    pipeline = cost.compute + cost.imbalance  # the slowest stage's m micro-batches
+    pipeline = cost.compute + cost.imbalance + cost.overhead  # the slowest stage's m micro-batches
     assert cost.bubble / (pipeline + cost.bubble) == pytest.approx((p - 1) / (per_device * m + p - 1))
 
 
@@ -70,8 +85,37 @@ def test_a_pipeline_runs_at_its_slowest_stage_whole_blocks_and_the_output_layer(
     block = (per_token - head) / 10
     slowest = (3 * block + head) * dp * m * SEQ / dp  # ceil(10/4) = 3 blocks and the output layer
     rate = A100.peak_flops * DEFAULT_EFFICIENCY * 1024 / (1024 + HIDDEN_HALF_EFFICIENCY)
+    rate *= SEQ / (SEQ + TOKENS_HALF_EFFICIENCY)
     assert cost.compute + cost.imbalance == pytest.approx(slowest / rate)
     assert cost.compute == pytest.approx(per_token * dp * m * SEQ / 8 / rate)
+
+
+def test_a_micro_batch_of_few_tokens_runs_slower_and_every_micro_step_pays_its_kernel_launches():
+    shape, tokens = gpt(12, 768), 480 * 1024
+    costs = {
+        b: step_cost(shape, layout(8, dp_replicate_size=8), A100, 8, Batch(480, 1024, b)) for b in (1, 12)
+    }
+    for b, cost in costs.items():
+        rows = b * 1024
+        rate = A100.peak_flops * DEFAULT_EFFICIENCY * 768 / (768 + HIDDEN_HALF_EFFICIENCY)
+        rate *= rows / (rows + TOKENS_HALF_EFFICIENCY)
+        assert cost.compute == pytest.approx(cost.hardware_flops / 8 / rate)
+        kernels = 12 * KERNELS_PER_BLOCK + KERNELS_OUTSIDE_BLOCKS
+        assert cost.overhead == pytest.approx(480 // (8 * b) * kernels * KERNEL_SECONDS)
+        assert cost.tokens == tokens
+    # GPT-2 small in micro-batches of one sequence: 60 micro-steps of 1,024 rows, a quarter slower or more
+    assert costs[1].step > 1.25 * costs[12].step
+    # a large model's micro-batch of one long sequence loses little (Megatron-LM trains at micro-batch 1)
+    wide = [step_cost(gpt(96, 12288), layout(8, tp_size=8), A100, 8, Batch(8, SEQ, b)) for b in (1, 8)]
+    assert wide[0].step < 1.1 * wide[1].step
+    # FSDP2 launches its gathers and reduce-scatters each micro-step: ZeRO-3 pays more than ZeRO-2, DDP none
+    zero = {
+        stage: step_cost(shape, layout(8, dp_shard_size=8, zero_stage=stage), A100, 8, Batch(480, 1024, 12))
+        for stage in (2, 3)
+    }
+    for stage, cost in zero.items():
+        extra = 5 * 12 * stage * KERNELS_PER_COLLECTIVE * KERNEL_SECONDS
+        assert cost.overhead == pytest.approx(costs[12].overhead + extra)
 
 
 def test_an_all_reduce_moves_2_n_minus_1_over_n_of_the_gradients_over_the_link_it_crosses():

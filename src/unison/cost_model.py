@@ -13,6 +13,15 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
   h/(h + 640) is what a narrow model loses to the memory-bound work beside its matrix multiplications
   (HIDDEN_HALF_EFFICIENCY). With these, Megatron-LM's ten GPT runs on A100 (44-52% of peak measured) are
   predicted within 15% at their layouts (tests/test_cost_model.py; docs/planner.md has the table).
+- the micro-batch: a step of m micro-batches of b sequences is not the same work as one of b·m. Each
+  matrix multiplication has b·s/cp rows on a device; a GPU computes them in tiles of 128 rows, so few
+  rows leave its units partly idle: the rate is scaled by T/(T + 128) for T tokens per micro-batch (0.89
+  at 1,024 tokens, 0.99 at 12,288; TOKENS_HALF_EFFICIENCY). And every micro-step launches the same
+  kernels whatever b is: 36 per block forward and backward, 18 outside the blocks (counted in the GPT
+  example), 3 per FSDP2 collective (copy-in, collective, copy-out), each with a launch gap the GPU
+  cannot hide (KERNEL_SECONDS); the `overhead` term is m times that. Together they make a small model's
+  micro-batch of 1 slow (GPT-2 124M: 1.3x the step of micro-batch 12 on A100) and leave a large model's
+  alone (a block of h = 12,288 is milliseconds of work per micro-step, the launches microseconds).
 - communication: each collective the layout issues in one step, its bytes and the link it crosses,
   timed as NCCL's ring (bandwidth 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for a
   reduce-scatter or all-gather, plus one latency per hop) or tree (2·log2(n) latencies) algorithm,
@@ -23,7 +32,8 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
 - the pipeline bubble: (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over
   v stages per device, with m the micro-batches each pipeline runs per step; and the pipeline's pace,
   which is its slowest stage's: stages hold whole blocks (ceil(L/p) on the fullest) and the last one also
-  the output layer (6·V·h FLOPs per token), so a deep pipeline of few blocks per stage idles the others.
+  the output layer (6·V·h FLOPs per token), so a deep pipeline of few blocks per stage idles the others;
+  the bubble is that share of the pipeline's compute, imbalance and micro-step overhead.
 
 Groups are laid out as unison's DeviceMesh lays them (unison.parallel.mesh.MESH_DIM_ORDER: tp innermost,
 then cp, dp_shard, dp_replicate, pp outermost), so a group crosses the inter-node link exactly when its
@@ -59,6 +69,20 @@ PCIE_BANDWIDTH = 32e9
 a node without NVLink; reached at LINK_EFFICIENCY like every link."""
 CPU_ADAM_PARAMETERS_PER_SECOND = 1e9
 """An offloaded optimizer step on the host (AdamW over fp32 shards, a few cores)."""
+TOKENS_HALF_EFFICIENCY = 128
+"""Tokens per micro-batch on a device (the rows of its matrix multiplications) at which the step reaches
+half of its rate: tensor-core GEMM kernels compute output tiles of 128 rows, and a micro-batch of few
+tiles leaves units idle in the last wave; T/(T + 128) is a smooth stand-in for that staircase."""
+KERNELS_PER_BLOCK = 36
+"""Kernels one transformer block launches in forward and backward (the GPT example's block under torch's
+profiler: 36 aten operations that do work; 18 more outside the blocks, KERNELS_OUTSIDE_BLOCKS)."""
+KERNELS_OUTSIDE_BLOCKS = 18
+KERNELS_PER_COLLECTIVE = 3
+"""An FSDP2 all-gather or reduce-scatter of one block: copy-in, the collective, copy-out."""
+KERNEL_SECONDS = 5e-6
+"""What one kernel launch costs a micro-step whatever its size: the launch and the gap before the next
+kernel starts (a few microseconds in eager PyTorch; an assumption from CUDA's launch latency, not a
+measurement: it decides only between micro-batches of a model whose kernels are that short)."""
 
 
 @dataclass(frozen=True)
@@ -131,6 +155,7 @@ class StepCost:
 
     compute: float
     imbalance: float  # a pipeline's slowest stage over the average (whole blocks, the output layer)
+    overhead: float  # kernel launches, the same for every micro-step whatever its size
     bubble: float
     communication: dict[str, float]
     exposed: dict[str, float]
@@ -144,7 +169,7 @@ class StepCost:
 
     @property
     def step(self) -> float:
-        return self.compute + self.imbalance + self.bubble + sum(self.exposed.values())
+        return self.compute + self.imbalance + self.overhead + self.bubble + sum(self.exposed.values())
 
     @property
     def tokens_per_second(self) -> float:
@@ -165,6 +190,7 @@ class StepCost:
             "step_seconds": self.step,
             "compute_seconds": self.compute,
             "pipeline_imbalance_seconds": self.imbalance,
+            "micro_step_overhead_seconds": self.overhead,
             "bubble_seconds": self.bubble,
             "communication_seconds": dict(self.communication),
             "exposed_communication_seconds": dict(self.exposed),
@@ -206,8 +232,11 @@ def step_cost(
     tokens = batch.global_batch * batch.seq_len
     model_flops = (6.0 * shape.parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len) * tokens
     hardware_flops = model_flops * (4 / 3 if batch.recompute else 1.0)
+    rows = batch.micro_batch_size * batch.seq_len / cp  # of each matrix multiplication, per micro-batch
     rate = device.peak_flops * efficiency * shape.hidden / (shape.hidden + HIDDEN_HALF_EFFICIENCY)
+    rate *= rows / (rows + TOKENS_HALF_EFFICIENCY)
     compute = hardware_flops / devices / rate
+    overhead = micro_steps * _kernels_per_micro_step(shape.layers, config) * KERNEL_SECONDS
     imbalance = bubble = 0.0
     if pp > 1:
         # a pipeline runs at its slowest stage's pace: whole blocks per stage (some stages hold one more
@@ -218,7 +247,7 @@ def step_cost(
         slowest = (per_device * math.ceil(shape.layers / (pp * per_device)) * block + head) * tokens
         slowest *= hardware_flops / model_flops / (tp * cp * dp)
         imbalance = max(0.0, slowest / rate - compute)
-        bubble = (compute + imbalance) * (pp - 1) / (per_device * micro_steps)
+        bubble = (compute + imbalance + overhead) * (pp - 1) / (per_device * micro_steps)
     # the share of each micro-step after its forward: where a gradient all-reduce can hide
     backward = (compute + imbalance) * (3 / 4 if batch.recompute else 2 / 3)
 
@@ -267,6 +296,7 @@ def step_cost(
     return StepCost(
         compute,
         imbalance,
+        overhead,
         bubble,
         communication,
         exposed,
@@ -278,6 +308,16 @@ def step_cost(
         batch.micro_batch_size,
         micro_steps,
     )
+
+
+def _kernels_per_micro_step(layers: int, config: ParallelismConfig) -> int:
+    """Kernels one device launches per micro-step: its blocks' (the fullest stage's ceil(L/p)), those
+    outside the blocks, and FSDP2's per block (ZeRO-2: a gather and a reduce-scatter; ZeRO-3: two gathers)."""
+    blocks = math.ceil(layers / (config.pp_size or 1))
+    kernels = blocks * KERNELS_PER_BLOCK + KERNELS_OUTSIDE_BLOCKS
+    if (config.dp_shard_size or 1) > 1 and config.zero_stage in (2, 3):
+        kernels += blocks * (config.zero_stage) * KERNELS_PER_COLLECTIVE
+    return kernels
 
 
 def stages_per_device(config: ParallelismConfig) -> int:

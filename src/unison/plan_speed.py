@@ -13,6 +13,7 @@ not divide the global batch cannot run it and is left out.
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import torch
 
@@ -105,13 +106,21 @@ def parse_device_spec(text: str) -> DeviceSpec:
 
 
 def micro_batch_sizes(workload: Workload) -> list[int]:
-    """The micro-batch sizes to try: 1, 2, 4, ... up to the global batch (at most LARGEST_MICRO_BATCH)."""
+    """The micro-batch sizes to try: every divisor of the global batch up to LARGEST_MICRO_BATCH, so
+    a batch of 480 over 8 ranks can run nanoGPT's 12 x 5 (powers of two alone would stop at 4 x 15)."""
     assert workload.global_batch_size is not None
-    sizes, size = [], 1
-    while size <= min(workload.global_batch_size, LARGEST_MICRO_BATCH):
-        sizes.append(size)
-        size *= 2
-    return sizes
+    return [b for b in range(1, LARGEST_MICRO_BATCH + 1) if workload.global_batch_size % b == 0]
+
+
+def fastest_micro_batch(priced: list[Any]) -> Any:
+    """Of one layout priced at several micro-batches (objects with a `.cost`), the largest micro-batch
+    predicted within SAME_SPEED of the fastest: fewer, fuller micro-steps lose less to what the model
+    does not count (the loop, data loading, a step's synchronisations), so a tie goes to the larger."""
+    fastest = min(c.cost.step for c in priced)
+    return max(
+        (c for c in priced if c.cost.step <= fastest * (1 + SAME_SPEED)),
+        key=lambda c: c.cost.micro_batch_size,
+    )
 
 
 def schedules(config: ParallelismConfig, blocks: int) -> list[ParallelismConfig]:

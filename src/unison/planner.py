@@ -198,7 +198,7 @@ def _plan_fastest(
         )
     for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
         best = [
-            min(fits, key=lambda c: c.cost.step)
+            plan_speed.fastest_micro_batch(fits)
             for fits in ([c for c in priced if c.memory.fraction <= limit] for priced in per_layout)
             if fits
         ]

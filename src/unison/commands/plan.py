@@ -292,14 +292,15 @@ def format_costs(rows: list[tuple[str, StepCost]]) -> list[str]:
     widths = [max(9, len(kind) + 2) for kind in kinds]
     label_width = max(len(label) for label, _ in rows) + 2
     header = (
-        f"  {'layout':<{label_width}}{'step s':>9}{'compute':>9}{'pp imbalance':>14}{'bubble':>9}"
+        f"  {'layout':<{label_width}}{'step s':>9}{'compute':>9}{'overhead':>10}"
+        + f"{'pp imbalance':>14}{'bubble':>9}"
         + "".join(f"{kind:>{width}}" for kind, width in zip(kinds, widths))
         + f"{'tokens/s':>13}{'MFU':>7}"
     )
     lines = [header]
     for label, cost in rows:
         lines.append(
-            f"  {label:<{label_width}}{cost.step:>9.3g}{cost.compute:>9.3g}"
+            f"  {label:<{label_width}}{cost.step:>9.3g}{cost.compute:>9.3g}{cost.overhead:>10.3g}"
             + f"{cost.imbalance:>14.3g}{cost.bubble:>9.3g}"
             + "".join(f"{cost.exposed.get(kind, 0.0):>{width}.3g}" for kind, width in zip(kinds, widths))
             + f"{cost.tokens_per_second:>13,.0f}{cost.mfu:>7.1%}"
