@@ -3,7 +3,9 @@
 One launch of tests/workers/pipeline_tail_worker.py (2 processes, pp_size=2): the ordinary unison loop
 with accumulation 2, clipping, a scheduler that changes the lr every step and an evaluation loader with
 the same short tail, against the same loop done by hand on one model. The tail runs in a schedule of
-its own, cut into equal micro-batches (`microbatches_for`, tested here in-process).
+its own, cut into equal micro-batches (`microbatches_for`, tested here in-process). With data-parallel
+replicas of the pipeline and even_batches=False, a loader whose last round is short is refused at
+prepare() (`check_loader_rounds_even`, in-process here).
 """
 
 from __future__ import annotations
@@ -11,10 +13,12 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from launching import WORKERS, launch_ok
 from pipeline_tail_worker import RUNS
+from torch.utils.data import DataLoader, TensorDataset
 
-from unison.parallel.pipeline import microbatches_for
+from unison.parallel.pipeline import check_loader_rounds_even, microbatches_for
 
 
 @pytest.fixture(scope="module")
@@ -50,3 +54,20 @@ def test_a_short_last_batch_trains_and_evaluates_as_one_process(report, name):
 )
 def test_microbatches_for_a_short_batch(rows, micro_rows, pp_size, interleaved, expected):
     assert microbatches_for(rows, micro_rows, pp_size, interleaved) == expected
+
+
+def loader(samples: int, drop_last: bool = False) -> DataLoader:
+    return DataLoader(TensorDataset(torch.zeros(samples, 2)), batch_size=4, drop_last=drop_last)
+
+
+def test_unequal_last_batches_across_pipeline_replicas_are_refused():
+    layout = "pp=2 x dp_shard=2"
+    with pytest.raises(
+        ValueError, match=r"18 samples in batches of 4 end on a round of 2 samples, not 8"
+    ) as error:
+        check_loader_rounds_even(loader(18), 2, False, layout)
+    assert "even_batches=True" in str(error.value) and "drop_last=True" in str(error.value)
+    with pytest.raises(ValueError, match="round of 2 samples, not 4"):  # split_batches: 4 is the global batch
+        check_loader_rounds_even(loader(18), 2, True, layout)
+    check_loader_rounds_even(loader(16), 2, False, layout)  # even rounds
+    check_loader_rounds_even(loader(18, drop_last=True), 2, False, layout)  # the short round is dropped

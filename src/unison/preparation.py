@@ -32,7 +32,7 @@ from .parallel.config import ParallelismConfig
 from .parallel.ddp import unwrap
 from .parallel.materialize import deferred_model
 from .parallel.mesh import data_parallel_mesh
-from .parallel.pipeline import PipelineModel
+from .parallel.pipeline import PipelineModel, check_loader_rounds_even
 
 logger = logging.getLogger("unison")
 
@@ -264,6 +264,8 @@ class PreparationMethods:
                 "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
                 "dispatch_batches unset so that each data-parallel rank reads its own shard."
             )
+        if (layout.pp_size or 1) > 1 and layout.dp_size > 1 and not self.even_batches:
+            check_loader_rounds_even(data_loader, layout.dp_size, self.split_batches, layout.describe())
         # Ranks of one tensor-parallel group (or pipeline) read the same batch: shard by data-parallel rank.
         prepared = prepare_data_loader(
             data_loader,
