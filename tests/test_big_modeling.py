@@ -2,12 +2,15 @@
 
 In one process: init_empty_weights, the model's own init on a meta-built model, what it refuses. In two
 launched processes (tests/workers/meta_worker.py): ZeRO-3, TP 2, PP 2 and DDP train a meta-built model
-to the parameters of the same model built normally, and each rank's peak memory stays near its shard.
+to the parameters of the same model built normally, and each rank's peak memory stays near its shard;
+the model's own init, replayed, gives the very parameters of the model built normally in one process,
+at 2 and at 4 processes.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -71,6 +74,58 @@ def test_one_process_runs_the_models_own_init_and_keeps_ties_and_the_optimizer()
     assert tied[1].weight is tied[0].weight and torch.isfinite(tied[0].weight).all()
 
 
+def plain_model() -> torch.nn.Module:
+    """Modules whose own reset_parameters() is the whole init, and a tied weight."""
+    model = torch.nn.Sequential(
+        torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 10)
+    )
+    model[3].weight = model[0].weight
+    return model
+
+
+def test_the_replayed_init_is_the_normal_builds_and_leaves_the_generator_where_it_was():
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(3)
+    expected = plain_model().state_dict()
+    torch.manual_seed(3)
+    with init_empty_weights():
+        model = plain_model()
+    torch.manual_seed(4)  # the script's generator, elsewhere by prepare(): the init starts where it was
+    before = torch.get_rng_state()
+    model = accelerator.prepare(model)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert model[3].weight is model[0].weight
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
+class ResetsItsChild(torch.nn.Module):
+    """An init that reaches another module's tensors: not replayable one module at a time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        torch.nn.init.normal_(self.linear.weight)
+
+
+def test_an_init_that_cannot_be_replayed_runs_on_the_shards_with_a_warning(caplog):
+    accelerator = Accelerator(cpu=True)
+    for build, why in (
+        (ResetsItsChild, "reaches other modules' tensors"),
+        (WithInit, "its own init_weights()"),
+    ):
+        with init_empty_weights():
+            model = build()
+        with caplog.at_level(logging.WARNING, logger="unison"):
+            model = accelerator.prepare(model)
+        assert why in caplog.text and "depend on the layout" in caplog.text, caplog.text
+        assert all(torch.isfinite(p).all() for p in model.parameters())
+        caplog.clear()
+
+
 def test_a_tensor_no_init_reaches_is_refused_by_name_and_real_buffers_are_kept():
     accelerator = Accelerator(cpu=True)
     with init_empty_weights():
@@ -123,7 +178,22 @@ def test_meta_built_models_train_like_normal_ones_and_hold_their_shard_only(tmp_
     # process reading both whole files measured 3.07x here.
     assert memory["resume_ddp_into_zero3"][1] < 1.15 * size, memory
     assert memory["resume_max_abs_diff"] == 0.0
+    for kind, layouts in report["own_init"].items():  # the tiny GPT, and its plain init
+        for layout, run in layouts.items():
+            assert run["keys_match"] and run["init"] == 0.0, (kind, layout, run)
+            assert run["trained"] < 1e-6, (kind, layout, run)
     errors = report["errors"]
     assert all("some parameters on the meta device" in found["partial"] for found in errors), errors
     assert all("real weights on process(es) [1]" in found["real_off_zero"] for found in errors), errors
     assert all("left 1 tensor(s) unset: lm_head.extra." in found["unset_on_one_stage"] for found in errors)
+
+
+def test_the_models_own_init_is_the_normal_builds_at_four_processes(tmp_path):
+    out = tmp_path / "report.json"
+    launch_ok(WORKERS / "meta_worker.py", 4, out, "--own-init-only")
+    report = json.loads(out.read_text())["own_init"]
+    assert sorted(report) == ["gpt", "plain"] and all(len(runs) == 3 for runs in report.values()), report
+    for kind, layouts in report.items():  # zero3 over 4, tp 2 x dp 2, pp 2 x dp 2
+        for layout, run in layouts.items():
+            assert run["keys_match"] and run["init"] == 0.0, (kind, layout, run)
+            assert run["trained"] < 1e-6, (kind, layout, run)

@@ -4,6 +4,10 @@
 dtypes, no storage). Such a model passed to `Accelerator.prepare()` is sharded first and then each
 process allocates its own shards only (see unison/parallel/materialize.py for where the values come
 from: the model's own init, or process 0's weights broadcast one tensor at a time).
+
+Built on meta, the init draws nothing from the CPU generator; so that prepare() can replay it with the
+draws a normal build would make (unison/parallel/init_replay.py), each tensor registered in the block
+notes the generator's state at that moment.
 """
 
 from __future__ import annotations
@@ -12,6 +16,13 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+import torch.nn as nn
+from torch.nn.modules.module import (
+    register_module_buffer_registration_hook,
+    register_module_parameter_registration_hook,
+)
+
+from .parallel.init_replay import note_built_at
 
 
 @contextlib.contextmanager
@@ -19,6 +30,8 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
     """Build the modules created inside the block on the meta device: no memory, no init compute.
 
     torch's own `torch.device("meta")` context underneath, so parameters and buffers are both on meta.
+    Each tensor registered in the block notes the CPU generator's state (torch's global module
+    registration hooks, for the block only), which prepare() replays the model's init from.
     Accelerate's `include_buffers=False` (buffers real, parameters on meta) would need nn.Module's
     registration patched for the block; unison does not patch torch, so it is refused: build the
     buffers the model cannot recompute in its `init_weights()` outside the block instead.
@@ -30,5 +43,22 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
             "buffers real. Leave include_buffers unset; prepare() refills buffers from the model's own "
             "init or from process 0's weights, and keeps any buffer built outside the block as it is."
         )
-    with torch.device("meta"):
-        yield
+    state: list[torch.Tensor] = []
+
+    def note(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is not None and tensor.is_meta:
+            now = torch.get_rng_state()  # unchanged by meta draws: moved only by a seed or a real draw
+            if not state or not torch.equal(state[-1], now):
+                state.append(now)
+            note_built_at(module, tensor, state[-1])
+
+    hooks = [
+        register_module_parameter_registration_hook(note),
+        register_module_buffer_registration_hook(note),
+    ]
+    try:
+        with torch.device("meta"):
+            yield
+    finally:
+        for hook in hooks:
+            hook.remove()

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from peak_memory import Peak, on_every_process
-from tiny_gpt import make_tiny_gpt
+from tiny_gpt import gpt_model, make_tiny_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, init_empty_weights
@@ -134,8 +134,19 @@ def mean_loss(output: tuple[torch.Tensor, None], targets: torch.Tensor) -> torch
     return F.cross_entropy(output[0].flatten(0, 1), targets.flatten())
 
 
-def reference() -> dict[str, torch.Tensor]:
-    model = make_tiny_gpt(SEED, BLOCK)
+class PlainGPT(gpt_model.GPT):
+    """The tiny GPT with its modules' own reset_parameters() as its whole init."""
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        pass
+
+
+def tiny_config() -> gpt_model.GPTConfig:
+    return gpt_model.GPTConfig(block_size=BLOCK, vocab_size=32, n_layer=2, n_head=2, n_embd=32)
+
+
+def reference(model: torch.nn.Module | None = None) -> dict[str, torch.Tensor]:
+    model = make_tiny_gpt(SEED, BLOCK) if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     inputs, targets = batches().tensors
     for step in range(STEPS):
@@ -154,12 +165,19 @@ def build(real: bool) -> torch.nn.Module:
         return make_tiny_gpt(SEED, BLOCK)
 
 
-def train(layout: str, real: bool) -> tuple[dict[str, torch.Tensor], float]:
+def train(
+    layout: str, real: bool, model: torch.nn.Module | None = None, initial: dict | None = None
+) -> tuple[dict[str, torch.Tensor], float]:
+    """STEPS steps of the model built by `build(real)` (or `model`) under `layout`: the final full
+    state dict and loss; `initial`, when given, receives the full state dict right after prepare()."""
     accelerator = Accelerator(cpu=True, parallelism=layout)
-    model = build(real)
+    model = build(real) if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     loader = DataLoader(batches(), batch_size=GLOBAL_BATCH // accelerator.parallelism.dp_size)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
+    if initial is not None:
+        # copies: a replicated DTensor's full tensor is its local tensor, which the steps then update
+        initial.update({k: v.clone() for k, v in accelerator.get_state_dict(model).items()})
     loss = torch.tensor(float("nan"))
     for inputs, targets in loader:
         if accelerator.parallelism.pp_size > 1:
@@ -183,6 +201,34 @@ def initialised(layout: str) -> tuple[dict[str, torch.Tensor], bool]:
     copies = [torch.empty_like(tied) for _ in range(dist.get_world_size())]
     dist.all_gather(copies, tied.contiguous())
     return accelerator.get_state_dict(model), all(torch.equal(copies[0], c) for c in copies)
+
+
+def own_init(layouts: tuple[str, ...]) -> dict[str, dict[str, dict[str, float]]]:
+    """Every process builds the model on meta after the same seed (and draws something else before
+    prepare(), as a script may): the largest difference to the model built normally in one process,
+    right after prepare() ("init") and after STEPS steps ("trained")."""
+    found: dict[str, dict[str, dict[str, float]]] = {}
+    for kind, model_class in (("gpt", gpt_model.GPT), ("plain", PlainGPT)):
+        torch.manual_seed(SEED)
+        normal = model_class(tiny_config())
+        expected_init = {k: v.clone() for k, v in normal.state_dict().items()}
+        expected_trained = reference(normal)
+        for layout in layouts:
+            torch.manual_seed(SEED)
+            with init_empty_weights():
+                model = model_class(tiny_config())
+            torch.rand(7)  # the generator moves on before prepare(): the init still starts where it was
+            initial: dict = {}
+            trained, _ = train(layout, real=False, model=model, initial=initial)
+            if dist.get_rank() == 0:
+                found.setdefault(kind, {})[layout] = {
+                    "init": max((initial[k] - expected_init[k]).abs().max().item() for k in expected_init),
+                    "trained": max(
+                        (trained[k] - expected_trained[k]).abs().max().item() for k in expected_trained
+                    ),
+                    "keys_match": sorted(initial) == sorted(expected_init),
+                }
+    return found
 
 
 def resumed_into(layouts: tuple[str, ...], directory: str) -> dict[str, float]:
@@ -235,6 +281,13 @@ def errors() -> dict[str, str]:
 def main() -> None:
     out = Path(sys.argv[1])
     state = PartialState(cpu=True)
+    if "--own-init-only" in sys.argv:
+        start = time.perf_counter()
+        report = {"own_init": own_init(LAYOUTS[:3])}
+        report["seconds"] = time.perf_counter() - start
+        if state.is_main_process:
+            out.write_text(json.dumps(report, indent=1))
+        return
     start = time.perf_counter()
     report: dict = {"memory": memory_report(), "layouts": {}, "seconds": {}}
     report["seconds"]["memory"] = time.perf_counter() - start
@@ -262,6 +315,9 @@ def main() -> None:
         report["resumed_from_ddp"] = resumed_into(LAYOUTS[:3], directory[0])
         dist.barrier()
     report["errors"] = _gathered_errors(errors())
+    start = time.perf_counter()
+    report["own_init"] = own_init(LAYOUTS)
+    report["seconds"]["own_init"] = time.perf_counter() - start
     if state.is_main_process:
         out.write_text(json.dumps(report, indent=1))
 

@@ -7,14 +7,19 @@ then allocates each rank's local shards on its device (`Module.to_empty`) and fi
 and Accelerate do. Two sources of values, chosen by where the model's parameters are on each process
 (one all-gather of a code per process at prepare()):
 
-- "init": every process built the model on meta. The shards are filled by the model's own init:
-  the root's `init_weights()` if it has one (torchtitan's and Hugging Face's name), else every
-  submodule's `reset_parameters()` followed by the root's `_init_weights(module)` over each module
-  (Hugging Face's and nanoGPT's). Before that every floating tensor is filled with NaN, so a tensor the
-  init does not reach is found and refused by name, not trained from uninitialised memory.
-  Random init of a sharded parameter is deterministic for a given seed; on CUDA DTensor's random
-  tracker makes the shards one draw of the full tensor, on CPU each rank draws its shard from its own
-  generator, so the result is a valid init but not the one of the model built normally.
+- "init": every process built the model on meta. The values are the model's own init, replayed as
+  the normal build ran it (unison/parallel/init_replay.py): every process draws every tensor in full,
+  one module (or group of tied modules) at a time, from the CPU generator's state when the model was
+  built, and keeps its part; so the values do not depend on the world size or the layout, and a model
+  whose init is its modules' reset_parameters() (and the root's `_init_weights(module)`, nanoGPT's
+  and Hugging Face's convention) gets the very values of the model built normally with the same seed.
+  The CPU generator is left where the user's code left it. A model whose init cannot be replayed a
+  module at a time (a root `init_weights()`, torchtitan's and Hugging Face's name, or an init that
+  reaches other modules' tensors) is filled as before, with a warning: the init run on this
+  process's shards, so each shard is drawn from its own rank's generator (on CUDA, DTensor's random
+  tracker makes the shards one draw of the full tensor), another valid init on each layout. Before
+  either, every floating tensor is filled with NaN, so a tensor the init does not reach is found and
+  refused by name, not trained from uninitialised memory.
 - "rank0": process 0 holds the real weights (in its CPU memory, e.g. loaded from a file), the others
   built the model on meta (Accelerate's `cpu_ram_efficient_loading`). Process 0's tensors are set
   aside, its model moved to meta like the others', and after sharding each tensor is broadcast in turn
@@ -47,6 +52,7 @@ from .apply import data_parallel_engine
 from .config import ParallelismConfig
 from .ddp import unwrap
 from .engines import is_dtensor
+from .init_replay import Replay, fill_unset, is_unset, replay_init, replay_of
 
 logger = logging.getLogger("unison")
 
@@ -122,6 +128,7 @@ class DeferredModel:
     aliases: dict[str, list[str]] = field(default_factory=dict)
     kept_buffers: dict[str, torch.Tensor] = field(default_factory=dict)  # real buffers, kept as given
     root: nn.Module | None = None
+    replay: Replay | None = None  # "init" only: how to replay the model's init (init_replay.py)
 
     def before_parallelize(self, model: nn.Module) -> nn.Module:
         """Take process 0's weights aside (its model goes to meta like the others'); materialise now a
@@ -133,6 +140,8 @@ class DeferredModel:
                 model.to(device=META)
         else:
             self.kept_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
+        if self.source == "init":
+            self.replay = replay_of(model)
         if self.whole:
             self._materialize(model)
         return model
@@ -156,6 +165,7 @@ class DeferredModel:
         else:
             self._init(module)
         self.weights = {}
+        self.replay = None
 
     def _load(self, module: nn.Module) -> None:
         """Process 0's tensors, broadcast one at a time; each process copies its part of each into its
@@ -179,13 +189,42 @@ class DeferredModel:
                 _copy_part(in_stored_layout(target, full), target)  # a fused q|k|v's rows are permuted
 
     def _init(self, module: nn.Module) -> None:
-        """The model's own init on this process's shards; a tensor it leaves unfilled is refused."""
+        """The model's own init: replayed whole on every process (each keeps its part), or where that
+        cannot be done, run on this process's shards; a tensor it leaves unfilled is refused."""
+        root = self.root if self.root is not None else module
+        why = "it could not be copied before sharding" if self.replay is None else None
+        if why is None:
+            local = dict(
+                itertools.chain(
+                    module.named_parameters(remove_duplicate=False),
+                    module.named_buffers(remove_duplicate=False),
+                )
+            )
+
+            def place(names: list[str], full: torch.Tensor) -> None:
+                full = full.to(self.device)
+                for target in {id(local[n]): local[n] for n in names if n in local}.values():
+                    _copy_part(in_stored_layout(target, full), target)
+
+            why, left = replay_init(self.replay, place)
+            if why is None:
+                _refuse_unset(root, left)  # every process replayed every tensor: the same names on all
+                return
+        logger.warning(
+            "%s was built on the meta device and its init cannot be replayed as the normal build ran it "
+            "(%s): it runs on each process's shards, so its values depend on the layout and the world size",
+            type(root).__name__,
+            why,
+        )
+        self._init_shards(module, root)
+
+    def _init_shards(self, module: nn.Module, root: nn.Module) -> None:
+        """The init run on this process's shards (each drawn from this rank's generator)."""
         tensors = {**dict(module.named_parameters()), **dict(module.named_buffers())}
         fresh = {n: t for n, t in tensors.items() if n not in self.kept_buffers}
         with torch.no_grad():
             for tensor in fresh.values():
-                _fill_unset(_local(tensor))
-        root = self.root if self.root is not None else module
+                fill_unset(_local(tensor))
         with torch.no_grad():  # as torchtitan calls init_weights: in-place fills of leaf parameters
             if callable(getattr(root, "init_weights", None)):
                 root.init_weights()
@@ -195,20 +234,12 @@ class DeferredModel:
                         sub.reset_parameters()
                 if callable(getattr(root, "_init_weights", None)):
                     root.apply(root._init_weights)
-        left = [n for n, t in fresh.items() if _is_unset(_local(t))]
+        left = [n for n, t in fresh.items() if is_unset(_local(t))]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             everyone: list = [None] * dist.get_world_size()  # pipeline stages hold different tensors:
             dist.all_gather_object(everyone, left)  # every process raises, naming all of them
             left = sorted({name for names in everyone for name in names})
-        if left:
-            raise ValueError(
-                f"{type(root).__name__} was built on the meta device and its own init left "
-                f"{len(left)} tensor(s) unset: {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}. "
-                "prepare() fills a model built inside unison.init_empty_weights() with the root's "
-                "init_weights(), else each submodule's reset_parameters() and the root's "
-                "_init_weights(module). Give the model an init_weights() that sets every tensor, or "
-                "build these buffers outside init_empty_weights(), or load real weights on process 0."
-            )
+        _refuse_unset(root, left)
         if self.tp_mesh is not None:  # replicated tensors of a TP group: the group's first rank's values
             from .tensor import _broadcast_replicated
 
@@ -273,21 +304,18 @@ def _copy_part(full: torch.Tensor, target: torch.Tensor) -> None:
         target.copy_(full)
 
 
-def _fill_unset(tensor: torch.Tensor) -> None:
-    if tensor.is_floating_point() or tensor.is_complex():
-        tensor.fill_(float("nan"))
-    elif tensor.dtype != torch.bool:
-        tensor.fill_(torch.iinfo(tensor.dtype).min)
-
-
-def _is_unset(tensor: torch.Tensor) -> bool:
-    if tensor.numel() == 0:
-        return False
-    if tensor.is_floating_point() or tensor.is_complex():
-        return bool(torch.isnan(tensor).any())
-    if tensor.dtype == torch.bool:
-        return False
-    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
+def _refuse_unset(root: nn.Module, left: list[str]) -> None:
+    """The same error on every process for tensors the model's init left unset (NaN-filled)."""
+    if not left:
+        return
+    raise ValueError(
+        f"{type(root).__name__} was built on the meta device and its own init left "
+        f"{len(left)} tensor(s) unset: {', '.join(left[:5])}{' ...' if len(left) > 5 else ''}. "
+        "prepare() fills a model built inside unison.init_empty_weights() with the root's "
+        "init_weights(), else each submodule's reset_parameters() and the root's "
+        "_init_weights(module). Give the model an init_weights() that sets every tensor, or "
+        "build these buffers outside init_empty_weights(), or load real weights on process 0."
+    )
 
 
 def deferred_model(

@@ -1,0 +1,296 @@
+"""A meta-built model's own init, replayed as the normal build ran it: the same values on any layout.
+
+Built normally, a model's values come from its init drawing on the CPU generator in one order: every
+module's `reset_parameters()` as it is constructed, then (nanoGPT's and Hugging Face's convention) the
+root's `_init_weights(module)` over the modules in `Module.apply`'s order. Built inside
+`unison.init_empty_weights()`, those calls ran on meta tensors, which draw nothing. Running the init
+afterwards on each rank's shards would draw each shard from its rank's generator: a valid init, but
+another one on every world size and layout (two processes ended 0.26 apart from one).
+
+So every rank replays the whole init on a meta copy of the model taken before sharding (the
+"template"), from the generator state the model was built at, one group of tensors at a time:
+
+1. a dry pass runs each call in the normal order with only the tensors of the module it is called on
+   allocated (full size, on the CPU) and notes the generator's state before it;
+2. then, for each group of modules that share a tensor (a tied embedding) in turn, their tensors are
+   allocated full on the CPU, filled with NaN, the calls on those modules run again from the states
+   noted, and each tensor is handed to `place` (which copies this rank's part into its shard) and
+   freed.
+
+Every rank makes the same draws, so every value is the normal build's whatever the layout, and no
+rank holds more than its shards and one group of full tensors (the largest module, not the model).
+Each call runs twice: the init's compute is doubled, on the CPU of every rank.
+
+The replay needs each call to touch only the tensors of the module it is called on (true of torch's
+Linear, Embedding, LayerNorm, convolutions and of nanoGPT-style `_init_weights`). A call that reaches
+another module's tensors (they are on meta during the dry pass), or a root `init_weights()` (one call
+over the whole model: torchtitan's and Hugging Face's), cannot be replayed a module at a time; for
+those `replay_init` says why and changes nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import itertools
+from collections.abc import Callable, Collection, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.overrides import TorchFunctionMode
+
+# the attribute init_empty_weights() sets on each tensor registered in its block (a _Built)
+BUILT_AT = "_unison_built_at"
+_registrations = itertools.count()
+
+
+@dataclass(frozen=True)
+class _Built:
+    order: int  # registrations in init_empty_weights() blocks so far
+    state: torch.Tensor  # the CPU generator's state then
+    creator: int  # id() of the module the tensor was first registered on
+
+
+def note_built_at(module: nn.Module, tensor: torch.Tensor, state: torch.Tensor) -> None:
+    """Record on a meta tensor, at its first registration, the module it was created for and the CPU
+    generator state then: where a normal build's draws for it start, as meta draws consume none."""
+    if tensor.is_meta and not hasattr(tensor, BUILT_AT):
+        setattr(tensor, BUILT_AT, _Built(next(_registrations), state, id(module)))
+
+
+@dataclass
+class Replay:
+    """What the replay needs, taken from the user's model before it is sharded."""
+
+    template: nn.Module  # a meta copy of the unsharded model (no storage)
+    start: torch.Tensor | None  # the CPU generator state the model was built at, if known
+    # "module.name" of each tensor slot that holds a tensor created for another module (a tie made
+    # after construction): that module's reset_parameters() drew into a tensor of its own, since gone
+    borrowed: set[str]
+
+
+def replay_of(model: nn.Module) -> Replay | None:
+    """The replay plan of a meta-built `model`, or None when it cannot be copied (deepcopy refuses
+    an attribute: a lock, a process group)."""
+    try:
+        template = copy.deepcopy(model)
+    except Exception:
+        return None
+    built: list[_Built] = []
+    borrowed: set[str] = set()
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        own = itertools.chain(
+            module.named_parameters(recurse=False, remove_duplicate=False),
+            module.named_buffers(recurse=False, remove_duplicate=False),
+        )
+        for name, tensor in own:
+            noted = getattr(tensor, BUILT_AT, None)
+            if isinstance(noted, _Built):
+                built.append(noted)
+                if noted.creator != id(module):
+                    borrowed.add(f"{prefix}.{name}" if prefix else name)
+    start = min(built, key=lambda b: b.order).state if built else None
+    return Replay(template, start, borrowed)
+
+
+@dataclass
+class _Slot:
+    module: nn.Module
+    name: str
+    is_param: bool
+    meta: torch.Tensor
+    qualified: str  # "module.name" in the model
+
+
+class _MetaWatch(TorchFunctionMode):
+    """Notes whether any torch function is called on a meta tensor: an init reaching outside the
+    module it was called on (whose tensors are the only real ones during the dry pass)."""
+
+    touched = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for arg in itertools.chain(args, kwargs.values()):
+            for value in arg if isinstance(arg, list | tuple) else (arg,):
+                if isinstance(value, torch.Tensor) and value.is_meta:
+                    self.touched = True
+        return func(*args, **kwargs)
+
+
+def _apply_order(module: nn.Module) -> Iterator[nn.Module]:
+    """The modules in `Module.apply`'s order: children first, each child's subtree in turn."""
+    for child in module.children():
+        yield from _apply_order(child)
+    yield module
+
+
+@dataclass
+class _Call:
+    module: nn.Module  # the module it is called on
+    run: Callable[[], object]
+    constructing: bool  # a reset_parameters() the module's construction ran (before any later tie)
+
+
+def _calls(root: nn.Module) -> list[_Call] | None:
+    """The init calls of a normal build, in order; None when the root has an init_weights() (one call
+    over the whole model, not replayable a module at a time)."""
+    if callable(getattr(root, "init_weights", None)):
+        return None
+    calls: list[_Call] = []
+    seen: set[int] = set()
+    for module in _apply_order(root):  # constructed children first, then the module that holds them
+        if id(module) not in seen and callable(getattr(module, "reset_parameters", None)):
+            seen.add(id(module))
+            calls.append(_Call(module, module.reset_parameters, True))
+    init = getattr(root, "_init_weights", None)
+    if callable(init):
+        calls.extend(_Call(module, lambda m=module: init(m), False) for module in _apply_order(root))
+    return calls
+
+
+def _groups(root: nn.Module) -> tuple[list[list[_Slot]], dict[int, int]]:
+    """Each module's own meta tensors, in groups of modules that share one (a tied weight), and the
+    group of each module holding one."""
+    slots: dict[int, list[_Slot]] = {}
+    for prefix, module in root.named_modules():
+        qualified = (prefix + ".") if prefix else ""
+        own = [
+            _Slot(module, name, True, p, qualified + name)
+            for name, p in module.named_parameters(recurse=False, remove_duplicate=False)
+            if p.is_meta
+        ] + [
+            _Slot(module, name, False, b, qualified + name)
+            for name, b in module.named_buffers(recurse=False, remove_duplicate=False)
+            if b.is_meta
+        ]
+        if own:
+            slots[id(module)] = own
+    parent = {key: key for key in slots}
+
+    def find(key: int) -> int:
+        while parent[key] != key:
+            key = parent[key]
+        return key
+
+    holder: dict[int, int] = {}
+    for key, own in slots.items():
+        for slot in own:
+            other = holder.setdefault(id(slot.meta), key)
+            parent[find(key)] = find(other)
+    members: dict[int, list[_Slot]] = {}
+    for key, own in slots.items():
+        members.setdefault(find(key), []).extend(own)
+    index = {root_key: i for i, root_key in enumerate(members)}
+    return list(members.values()), {key: index[find(key)] for key in slots}
+
+
+def _full(slot: _Slot) -> torch.Tensor:
+    data = torch.empty(slot.meta.shape, dtype=slot.meta.dtype, device="cpu")
+    fill_unset(data)
+    return nn.Parameter(data, requires_grad=slot.meta.requires_grad) if slot.is_param else data
+
+
+@contextlib.contextmanager
+def _allocated(slots: list[_Slot], apart: Collection[str] = ()) -> Iterator[dict[int, torch.Tensor]]:
+    """The slots' tensors full size on the CPU, NaN-filled (a tied one once), put in place of the meta
+    ones for the block; what they held back afterwards, so the full ones can be freed. A slot named in
+    `apart` gets a tensor of its own, not returned (drawn into and dropped)."""
+    fresh: dict[int, torch.Tensor] = {}
+    held = [getattr(slot.module, slot.name) for slot in slots]
+    for slot in slots:
+        if slot.qualified in apart:
+            tensor = _full(slot)
+        else:
+            tensor = fresh.get(id(slot.meta))
+            if tensor is None:
+                tensor = fresh[id(slot.meta)] = _full(slot)
+        setattr(slot.module, slot.name, tensor)
+    try:
+        yield fresh
+    finally:
+        for slot, tensor in zip(slots, held, strict=True):
+            setattr(slot.module, slot.name, tensor)
+
+
+def replay_init(
+    replay: Replay, place: Callable[[list[str], torch.Tensor], None]
+) -> tuple[str | None, list[str]]:
+    """Replay the init of `replay.template` (see the module docstring) from the CPU generator state
+    `replay.start` (the current one when None), handing each full tensor with all its names to `place`.
+    The CPU generator is left as it was. Returns (why the init cannot be replayed, or None; the names
+    of the tensors the init left unset). When it cannot, nothing has been placed."""
+    template = replay.template
+    calls = _calls(template)
+    if calls is None:
+        return f"{type(template).__name__} has its own init_weights(), one call over the whole model", []
+    groups, group_of = _groups(template)
+    names: dict[int, list[str]] = {}
+    for name, tensor in itertools.chain(
+        template.named_parameters(remove_duplicate=False), template.named_buffers(remove_duplicate=False)
+    ):
+        names.setdefault(id(tensor), []).append(name)
+    module_names = {id(m): n for n, m in template.named_modules(remove_duplicate=False)}
+
+    def borrowed(call: _Call) -> list[_Slot]:  # what a constructing call drew into and lost to a tie
+        if not call.constructing or id(call.module) not in group_of:
+            return []
+        group = groups[group_of[id(call.module)]]
+        return [s for s in group if s.module is call.module and s.qualified in replay.borrowed]
+
+    before = torch.get_rng_state()
+    try:
+        if replay.start is not None:
+            torch.set_rng_state(replay.start)
+        states = []
+        with torch.no_grad():
+            for call in calls:  # the dry pass: the generator's state before each call
+                states.append(torch.get_rng_state())
+                group = groups[group_of[id(call.module)]] if id(call.module) in group_of else []
+                apart = borrowed(call)
+                with (
+                    _allocated(group),
+                    _allocated(apart, {s.qualified for s in apart}),
+                    _MetaWatch() as watch,
+                ):
+                    call.run()
+                if watch.touched:
+                    where = module_names.get(id(call.module)) or "the root"
+                    kind = type(call.module).__name__
+                    return f"the init called on {where} ({kind}) reaches other modules' tensors", []
+            unset: list[str] = []
+            for index, group in enumerate(groups):
+                with _allocated(group) as fresh:
+                    for call, state in zip(calls, states, strict=True):
+                        if group_of.get(id(call.module)) == index:
+                            torch.set_rng_state(state)
+                            apart = borrowed(call)
+                            with _allocated(apart, {s.qualified for s in apart}):
+                                call.run()
+                    for key, tensor in fresh.items():
+                        if is_unset(tensor):
+                            unset.extend(names[key][:1])
+                        else:
+                            place(names[key], tensor.detach())
+    finally:
+        torch.set_rng_state(before)
+    return None, unset
+
+
+def fill_unset(tensor: torch.Tensor) -> None:
+    """NaN (or the integer minimum) in every element: a tensor no init reaches is then found."""
+    if tensor.is_floating_point() or tensor.is_complex():
+        tensor.fill_(float("nan"))
+    elif tensor.dtype != torch.bool:
+        tensor.fill_(torch.iinfo(tensor.dtype).min)
+
+
+def is_unset(tensor: torch.Tensor) -> bool:
+    """Whether `tensor` still holds what fill_unset wrote (a NaN, or all integer minimum)."""
+    if tensor.numel() == 0:
+        return False
+    if tensor.is_floating_point() or tensor.is_complex():
+        return bool(torch.isnan(tensor).any())
+    if tensor.dtype == torch.bool:
+        return False
+    return bool((tensor == torch.iinfo(tensor.dtype).min).all())
