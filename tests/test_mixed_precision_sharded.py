@@ -1,4 +1,4 @@
-"""bf16 under ZeRO-2/3: FSDP2 gathers bf16 parameters and reduces fp32 gradients, and trains as autocast does;
+"""bf16 under ZeRO-2/3: FSDP2 gathers projections in bf16, reduces gradients in fp32, trains as autocast does;
 and accumulation reduces gradients every micro-batch by default there (sync_each_batch chosen by memory).
 
 One launch of tests/workers/sharded_precision_worker.py (2 processes) trains the tiny GPT under each
@@ -35,7 +35,9 @@ def report(tmp_path_factory):
 def test_bf16_halves_the_all_gather_bytes_and_keeps_fp32_gradient_reduction(report, layout):
     fp32, bf16 = report[f"{layout}/no"], report[f"{layout}/bf16"]
     assert fp32["steps"] == bf16["steps"] == 6
-    assert bf16["bytes"]["all_gather"] * 2 == fp32["bytes"]["all_gather"] > 0
+    # the projections (25,152 parameters) travel in bf16, embeddings and norms (1,856) in fp32 as autocast
+    # reads them: 57,728 of 108,032 bytes (0.534; tests/test_sharded_autocast.py has a 12-block model)
+    assert bf16["bytes"]["all_gather"] * 108_032 == fp32["bytes"]["all_gather"] * 57_728 > 0
     assert bf16["bytes"]["reduce_scatter"] == fp32["bytes"]["reduce_scatter"] > 0  # reduce_dtype fp32
 
 

@@ -35,7 +35,7 @@ from .mesh import data_parallel_mesh, gradient_mesh
 from .pipeline import build_pipeline, split_model
 
 if TYPE_CHECKING:
-    from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy
+    from torch.distributed.fsdp import OffloadPolicy
 
 logger = logging.getLogger("unison")
 
@@ -83,7 +83,7 @@ def parallelize(
     tensor-parallel and data-parallel as the layout says. Call on every rank with the same arguments:
     the wrappers create and use process groups.
     param_dtype: the mixed-precision compute dtype (bf16, fp16), or None in full precision; FSDP2 then
-    gathers parameters in it (see `sharded_mixed_precision`).
+    gathers in it the parameters autocast casts to it, the others in fp32 (precision_units.py).
     dynamo: compile the model (per block) before the data-parallel engine wraps it, or None.
     """
     if (config.pp_size or 1) == 1:
@@ -170,7 +170,7 @@ def _parallelize_part(
         fsdp_stage(config),
         mesh=gradient_mesh(mesh),
         blocks=config.zero_blocks,
-        mixed_precision_policy=sharded_mixed_precision(param_dtype),
+        compute_dtype=param_dtype,  # autocast's: FSDP2 gathers in it what autocast casts (precision_units.py)
         offload_policy=host_offload(device) if config.offload else None,
     )
 
@@ -201,23 +201,6 @@ def host_offload(device: torch.device) -> OffloadPolicy:
     if device.type == "cpu":
         logger.info("offload=true on the CPU: parameters already live in host memory, so it saves nothing")
     return CPUOffloadPolicy(pin_memory=device.type != "cpu")
-
-
-def sharded_mixed_precision(param_dtype: torch.dtype | None) -> MixedPrecisionPolicy | None:
-    """FSDP2's policy for a mixed-precision run: parameters all-gathered and used in `param_dtype`,
-    gradients reduce-scattered in fp32, the sharded master weights and optimizer state kept in fp32.
-
-    Autocast alone would gather the fp32 shards and cast them after: twice the bytes of every
-    all-gather. Autocast still runs on top (precision.py): its cast of an already-bf16 weight is free,
-    and it keeps the ops it lists in fp32 (softmax, norms, losses), so a step computes what the
-    one-process autocast run computes, from the same bf16-rounded weights (torchtitan uses the same
-    policy; tests/test_mixed_precision_sharded.py measures the bytes and the fidelity).
-    """
-    if param_dtype is None:
-        return None
-    from torch.distributed.fsdp import MixedPrecisionPolicy  # FSDP2 loads only for layouts that use it
-
-    return MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
 
 
 def _dp_group(mesh: DeviceMesh | None):

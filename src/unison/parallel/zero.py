@@ -30,6 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.blocks import find_blocks
 from unison.parallel.comm_hooks import register_comm_hook, split_hook_options
+from unison.parallel.precision_units import shard_as_autocast
 
 logger = logging.getLogger("unison")
 
@@ -78,12 +79,16 @@ def apply_zero(
     blocks: Sequence[nn.Module] | str | None = None,
     offload_policy: OffloadPolicy | None = None,
     ddp_kwargs: dict[str, Any] | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> nn.Module:
     """Wrap `model` (already on its device, process group initialised) for ZeRO `stage` over `mesh`.
 
     `mesh`: the data-parallel mesh (1-D; 2-D (replicate, shard) gives HSDP for stages 2 and 3), or
     None for all processes. Stage 1 returns a DDP module (pair it with `shard_optimizer_state`);
     stages 2 and 3 shard in place and return the same module, now an FSDPModule.
+    `mixed_precision_policy`: FSDP2's policy, applied to every unit as given. `compute_dtype`: instead,
+    the dtype of autocast running on top: each unit gathers in it only the parameters autocast casts
+    to it, so a step computes what one process under autocast computes (precision_units.py).
     """
     if stage not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage={stage!r} is not supported; choose one of {ZERO_STAGES}.")
@@ -97,11 +102,16 @@ def apply_zero(
             f"ZeRO stage={stage} runs on FSDP2, which takes no DDP options ({', '.join(ddp_kwargs)}): drop "
             "ddp_kwargs, or use stage 1 (DDP underneath)."
         )
+    if mixed_precision_policy is not None and compute_dtype is not None:
+        raise ValueError(
+            f"apply_zero got both mixed_precision_policy and compute_dtype={compute_dtype}: the policy "
+            "gathers every parameter in its param_dtype, compute_dtype only those autocast casts. Pass one."
+        )
     if stage == 1:
-        if mixed_precision_policy is not None or offload_policy is not None:
+        if mixed_precision_policy is not None or offload_policy is not None or compute_dtype is not None:
             raise ValueError(
-                "ZeRO stage=1 runs the model under DDP, which takes no mixed_precision_policy or "
-                "offload_policy. Use autocast for mixed precision, or ZeRO stage 2/3 for these policies."
+                "ZeRO stage=1 runs the model under DDP, which takes no mixed_precision_policy, compute_dtype "
+                "or offload_policy. Use autocast for mixed precision, or ZeRO stage 2/3 for these policies."
             )
         if mesh is not None and mesh.ndim != 1:
             raise ValueError(
@@ -134,9 +144,11 @@ def apply_zero(
             stage,
             type(model).__name__,
         )
-    for unit in units:
-        fully_shard(unit, **shard_kwargs)
-    fully_shard(model, **shard_kwargs)
+    for unit in [*units, model]:
+        if compute_dtype is None:
+            fully_shard(unit, **shard_kwargs)
+        else:
+            shard_as_autocast(unit, compute_dtype, **shard_kwargs)
     return model
 
 
