@@ -32,12 +32,14 @@ def report(tmp_path_factory):
 def test_a_short_last_batch_trains_and_evaluates_as_one_process(report, name):
     run = report[name]
     assert "error" not in run, run
-    assert run["batches"] == 5 and run["lr"] == pytest.approx(0.5 / 4), run  # 3 windows: 3 scheduler steps
+    samples = RUNS[name][1]
+    windows = -(-samples // 8)  # batches of 4, accumulation 2: the last window may hold one
+    assert run["batches"] == -(-samples // 4) and run["lr"] == pytest.approx(0.5 / (1 + windows)), run
     assert run["max_abs_diff"] < 1e-6, run  # SGD+momentum, parameter for parameter
     assert run["loss_diff"] < (1e-4 if name.endswith("items") else 1e-6), run  # summed losses: ~30 tokens
     assert run["norm_diff"] < 1e-5, run  # what clip_grad_norm_ returned in each window
     assert run["eval_diff"] < 1e-6, run  # forward_loss of every evaluation batch, the short one too
-    assert 0 < run["clipped"] < 3, run  # clipping acted in some windows, not in all
+    assert 0 < run["clipped"] < windows, run  # clipping acted in some windows, not in all
 
 
 @pytest.mark.parametrize(

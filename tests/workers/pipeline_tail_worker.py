@@ -32,6 +32,7 @@ ACCUMULATION = 2
 # name: (parallelism, samples in the epoch, layers, summed loss with num_items)
 RUNS = {
     "1f1b_m2_tail2": ("pp_size=2,pp_microbatches=2", 18, 2, False),  # 1 micro-batch of 2 for the tail
+    "1f1b_m2_tail2_in_window": ("pp_size=2,pp_microbatches=2", 14, 2, False),  # windows (4, 4), (4, 2)
     "1f1b_m4_tail2": ("pp_size=2,pp_microbatches=4", 18, 2, False),  # 2 samples, 4 micro-batches
     "gpipe_m2_tail3": ("pp_size=2,pp_microbatches=2,pp_schedule=gpipe", 19, 2, False),  # 3 samples, 2 mb
     "1f1b_m2_tail3_items": ("pp_size=2,pp_microbatches=2", 19, 2, True),  # summed loss, num_items
