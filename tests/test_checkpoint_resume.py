@@ -146,25 +146,43 @@ def test_resume_at_every_save_point_on_1_2_and_4_processes_with_accumulation_adj
 
 @pytest.mark.usefixtures("fresh_state")
 def test_a_save_inside_an_accumulation_window_resumes_only_with_the_same_accumulation(tmp_path):
+    """The window goes on where the resumed accumulation is the saved one: with the script's own, or with
+    another the script asks for (the saved global batch wins, checkpoint/global_batch.py). A micro-batch
+    halved since the save needs accumulation 4 to keep the global batch, and a window of 2 cannot go on
+    in one of 4: refused before anything is applied."""
+    from torch.utils.data import DataLoader, TensorDataset
+
     from unison import Accelerator, AcceleratorState, CheckpointError, GradientState, PartialState
 
-    def prepared(accumulation: int):
+    def prepared(accumulation: int, batch_size: int = 2):
         for state in (PartialState, AcceleratorState, GradientState):
             state._reset_state()
         accelerator = Accelerator(cpu=True, gradient_accumulation_steps=accumulation)
         model = torch.nn.Linear(2, 1)
-        return accelerator, *accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+        loader = DataLoader(TensorDataset(torch.ones(8, 2)), batch_size=batch_size)
+        return accelerator, *accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1), loader)
 
-    accelerator, model, optimizer = prepared(2)
+    accelerator, model, optimizer, _ = prepared(2)
     with accelerator.accumulate(model):  # one micro-batch of a window of 2
         accelerator.backward(model(torch.ones(1, 2)).sum())
     assert not accelerator.sync_gradients
     saved = accelerator.save_state(tmp_path / "inside")
-    accelerator, model, optimizer = prepared(2)
+    accelerator, model, optimizer, _ = prepared(2)
     accelerator.load_state(saved)  # the same accumulation: the window goes on
     assert accelerator.step == 1
-    accelerator, model, optimizer = prepared(4)
+    accelerator, model, optimizer, _ = prepared(4)
+    accelerator.load_state(saved)
+    assert (accelerator.step, accelerator.gradient_accumulation_steps) == (1, 2)
+    accelerator.gradient_accumulation_steps = 4  # the documented way to change the global batch on purpose
+    synced = []
+    for _ in range(3):
+        with accelerator.accumulate(model):
+            accelerator.backward(model(torch.ones(1, 2)).sum())
+        synced.append(accelerator.sync_gradients)
+    assert synced == [False, False, True]
+    accelerator, model, optimizer, _ = prepared(2, batch_size=1)
     before = model.weight.detach().clone()
-    with pytest.raises(CheckpointError, match="1 micro-batches into an accumulation window of 2 on 1"):
+    with pytest.raises(CheckpointError, match="window of 2 on 1 processes; this run accumulates 4 on 1"):
         accelerator.load_state(saved)
     assert torch.equal(model.weight, before)  # refused before anything was applied
+    assert accelerator.gradient_accumulation_steps == 2

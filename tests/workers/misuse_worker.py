@@ -403,13 +403,16 @@ def switching_optimizers_as_the_message_says() -> bool:
 def load_other_accumulation():
     accelerator = Accelerator(gradient_accumulation_steps=2)
     model, _ = prepared(accelerator)
+    accelerator.prepare(DataLoader(TensorDataset(torch.arange(32.0)), batch_size=2))
     with accelerator.accumulate(model):  # one micro-batch into a window of 2
         accelerator.backward(model(torch.ones(2, 4)).sum())
     accelerator.save_state(out_dir / "mid_window")
     with accelerator.accumulate(model):  # the window's end: the gradient state (shared) syncs again
         accelerator.backward(model(torch.ones(2, 4)).sum())
-    resumed = Accelerator(gradient_accumulation_steps=4)
+    resumed = Accelerator(gradient_accumulation_steps=2)
     prepared(resumed)
+    # half the micro-batch: accumulation 4 keeps the saved global batch (checkpoint/global_batch.py)
+    resumed.prepare(DataLoader(TensorDataset(torch.arange(32.0)), batch_size=1))
     resumed.load_state(out_dir / "mid_window")
 
 

@@ -89,6 +89,7 @@ class CheckpointMethods:
             scaler=self.scaler,
             step=self.step,
             gradient_accumulation_steps=self.gradient_accumulation_steps,
+            split_batches=self.split_batches,
             device=self.device,
             save_hooks=list(self._save_state_pre_hooks.values()),
             load_hooks=list(self._load_state_pre_hooks.values()),
@@ -147,8 +148,17 @@ class CheckpointMethods:
                 f"load_state() found no complete checkpoint in {checkpoints}: save one with save_state() "
                 "first, or pass missing_ok=True to start fresh when there is nothing to resume."
             )
-        self.step = load_training_state(self._training_parts(), directory, strict=strict)
+        training = self._training_parts()
+        self.step = load_training_state(training, directory, strict=strict)
+        self._resume_accumulation(training.gradient_accumulation_steps)
         return directory
+
+    def _resume_accumulation(self, steps: int) -> None:
+        """Run on with the accumulation load_state chose to keep the saved global batch per optimizer step
+        (checkpoint/global_batch.py): the Accelerator's, its shared GradientState's and the window's."""
+        self.gradient_accumulation_steps = steps
+        self.gradient_state.num_steps = steps
+        self._window_micro_steps = steps
 
     def checkpoints(self) -> list[Path]:
         """The complete checkpoints under project_dir/checkpoints, oldest first."""

@@ -31,6 +31,7 @@ from ..parallel.ddp import unwrap
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
 from .errors import CheckpointError, check_shapes, model_keys_error
+from .global_batch import TRAINING_LOADER, resumed_global_batch, training_loader_index
 from .manifest import files_of_process, read_manifest, verify_files
 from .storage import load_object, raise_if_any_process_failed, save_object, write_checkpoint
 
@@ -45,7 +46,9 @@ class TrainingParts:
 
     Each object has state_dict()/load_state_dict(); optimizers also count their steps
     (`num_steps_taken`, unison's AcceleratedOptimizer). `step` is the micro-steps since the last
-    optimizer step (Accelerator.step), `device` where replicated files are loaded. The hooks are
+    optimizer step (Accelerator.step); `gradient_accumulation_steps` is the run's, and load_training_state
+    sets it to the one that keeps the saved global batch (global_batch.py); `split_batches` the
+    Accelerator's; `device` where replicated files are loaded. The hooks are
     Accelerate's save_state / load_state pre-hooks, `hook(models, weights, output_dir)` and
     `hook(models, input_dir)`.
     """
@@ -58,6 +61,7 @@ class TrainingParts:
     scaler: torch.amp.GradScaler | None = None
     step: int = 0
     gradient_accumulation_steps: int = 1
+    split_batches: bool = False
     device: torch.device | str = "cpu"
     save_hooks: Sequence[Callable[[list, list, str], None]] = ()
     load_hooks: Sequence[Callable[[list, str], None]] = ()
@@ -108,6 +112,7 @@ def _counters(training: TrainingParts) -> dict[str, Any]:
         "step": training.step,
         "gradient_accumulation_steps": training.gradient_accumulation_steps,
         "world_size": PartialState().num_processes,
+        TRAINING_LOADER: training_loader_index(training.dataloaders),
         "optimizer_steps": [optimizer.num_steps_taken for optimizer in training.optimizers],
         "optimizer_classes": _optimizer_classes(training),
     }
@@ -132,14 +137,15 @@ def _check_optimizer_classes(counters: dict[str, Any], training: TrainingParts, 
             )
 
 
-def _micro_step(counters: dict[str, Any], training: TrainingParts, directory: Path) -> int:
+def _micro_step(counters: dict[str, Any], accumulation: int, directory: Path) -> int:
     """Accelerator.step for the resumed run: the micro-steps into the accumulation window decide where the
     next window ends (step % k == 0), so they must count in this run's micro-steps.
 
     Saved at the end of an optimizer step (the usual place) the resumed run starts a fresh window: 0, on
     any number of processes and accumulation (the saved count, e.g. 6 micro-steps of k=2, would otherwise
     end the first window of a k=4 run after 2 micro-batches). Saved inside a window, the count carries over
-    only to the same processes and accumulation; elsewhere it is refused, on every process alike.
+    only to the same processes and accumulation (`accumulation`: the resumed run's, see global_batch.py);
+    elsewhere it is refused, on every process alike.
     """
     step, saved_k = counters["step"], counters.get("gradient_accumulation_steps")
     saved_world = counters.get("world_size", PartialState().num_processes)
@@ -147,11 +153,11 @@ def _micro_step(counters: dict[str, Any], training: TrainingParts, directory: Pa
         return step
     if step % saved_k == 0:
         return 0
-    if (saved_k, saved_world) == (training.gradient_accumulation_steps, PartialState().num_processes):
+    if (saved_k, saved_world) == (accumulation, PartialState().num_processes):
         return step
     raise CheckpointError(
         f"{directory} was saved {step % saved_k} micro-batches into an accumulation window of {saved_k} on "
-        f"{saved_world} processes; this run accumulates {training.gradient_accumulation_steps} on "
+        f"{saved_world} processes; this run accumulates {accumulation} on "
         f"{PartialState().num_processes}, so that window cannot be continued. Resume it with the saved "
         "processes and accumulation, or save at the end of an optimizer step (when sync_gradients is True)."
     )
@@ -375,7 +381,9 @@ def _apply(
 
 def load_training_state(training: TrainingParts, directory: Path, strict: bool = True) -> int:
     """Restore everything `save_training_state` wrote into the objects of `training`; returns the
-    micro-step count (Accelerator.step) the resumed run continues from.
+    micro-step count (Accelerator.step) the resumed run continues from, and sets
+    `training.gradient_accumulation_steps` to the accumulation that keeps the saved global batch per
+    optimizer step (a CheckpointError, before anything is applied, where none does: global_batch.py).
 
     Every process verifies its share of the files (their sizes and checksums, see
     manifest.checksumming_process) while it reads the files it loads (one read of each file on each
@@ -430,13 +438,26 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
     failure = failure or _fit_error(parts, model_parts, sharded_parts, loaded, strict, model_keys)
     raise_if_any_process_failed(failure, f"loading {directory}")
     counters = loaded[COUNTERS_FILE]
-    micro_step = _micro_step(counters, training, directory)  # refused before anything is applied
+    saved_loaders = [loaded.get(f"dataloader_{i}.pt") for i in range(len(training.dataloaders))]
+    global_batch = resumed_global_batch(
+        counters,
+        saved_loaders,
+        training.dataloaders,
+        training.gradient_accumulation_steps,
+        state.num_processes,
+        training.split_batches,
+        directory,
+    )  # like the micro-step, refused before anything is applied
+    micro_step = _micro_step(counters, global_batch.accumulation, directory)
     _check_optimizer_classes(counters, training, directory)
     for name, part in parts.items():
         _apply(name, part, model_parts, sharded_parts, staged, loaded, strict, streamed)
     for optimizer, steps in zip(training.optimizers, counters["optimizer_steps"]):
         optimizer.num_steps_taken = steps
     _load_rng_state(directory, manifest, loaded.get(rng_file))
+    training.gradient_accumulation_steps = global_batch.accumulation
+    if global_batch.message is not None and state.is_main_process:
+        logger.warning(global_batch.message)
     state.wait_for_everyone()
     logger.info("loaded the training state from %s", directory)
     return micro_step
