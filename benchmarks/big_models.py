@@ -10,7 +10,8 @@ model is built and prepared, three ways:
 - **built normally**: every process builds the model with real weights, then prepare() (today's
   path for a model that fits: the whole model exists on every process before it is sharded);
 - **meta, own init**: every process builds it inside `unison.init_empty_weights()`; prepare() shards
-  it, allocates this rank's shards and runs the model's own init on them;
+  it, allocates this rank's shards and replays the model's own init one module at a time, each
+  process keeping its part of each whole tensor (unison/parallel/init_replay.py);
 - **meta, from process 0**: process 0 builds it with real weights (as a script that loads a file on
   process 0 does), the others on meta; prepare() broadcasts process 0's weights one tensor at a time.
 

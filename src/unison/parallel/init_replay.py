@@ -8,7 +8,9 @@ afterwards on each rank's shards would draw each shard from its rank's generator
 another one on every world size and layout (two processes ended 0.26 apart from one).
 
 So every rank replays the whole init on a meta copy of the model taken before sharding (the
-"template"), from the generator state the model was built at, one group of tensors at a time:
+"template"), one group of tensors at a time, from the generator state noted when the model's first
+tensor was built (`init_empty_weights()` notes it on each tensor, with the module it was created for;
+without it, from the current state):
 
 1. a dry pass runs each call in the normal order with only the tensors of the module it is called on
    allocated (full size, on the CPU) and notes the generator's state before it;
@@ -19,7 +21,10 @@ So every rank replays the whole init on a meta copy of the model taken before sh
 
 Every rank makes the same draws, so every value is the normal build's whatever the layout, and no
 rank holds more than its shards and one group of full tensors (the largest module, not the model).
-Each call runs twice: the init's compute is doubled, on the CPU of every rank.
+Each call runs twice: the init's compute is doubled, on the CPU of every rank. A weight tied after
+construction (GPT's `wte.weight = lm_head.weight`) is what the normal build made it: the
+`reset_parameters()` of the module that took another's tensor draws into a tensor of its own, dropped.
+The CPU generator is put back where the caller left it.
 
 The replay needs each call to touch only the tensors of the module it is called on (true of torch's
 Linear, Embedding, LayerNorm, convolutions and of nanoGPT-style `_init_weights`). A call that reaches
@@ -272,6 +277,7 @@ def replay_init(
                             unset.extend(names[key][:1])
                         else:
                             place(names[key], tensor.detach())
+                del fresh, tensor  # freed before the next group is allocated
     finally:
         torch.set_rng_state(before)
     return None, unset
