@@ -95,6 +95,7 @@ def test_the_replayed_init_is_the_normal_builds_and_leaves_the_generator_where_i
     model = accelerator.prepare(model)
     assert torch.equal(torch.get_rng_state(), before)
     assert model[3].weight is model[0].weight
+    assert not any(vars(p) for p in model.parameters())  # init_empty_weights()'s notes are dropped
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, expected[name]), name
 

@@ -75,6 +75,14 @@ class Replay:
     borrowed: set[str]
 
 
+def forget_built_at(model: nn.Module) -> None:
+    """Drop the notes init_empty_weights() left on `model`'s tensors (read by `replay_of`), so that the
+    trained parameters carry nothing of ours (a pickled module would save them)."""
+    for tensor in itertools.chain(model.parameters(), model.buffers()):
+        if hasattr(tensor, BUILT_AT):
+            delattr(tensor, BUILT_AT)
+
+
 def replay_of(model: nn.Module) -> Replay | None:
     """The replay plan of a meta-built `model`, or None when it cannot be copied (deepcopy refuses
     an attribute: a lock, a process group)."""

@@ -52,7 +52,7 @@ from .apply import data_parallel_engine
 from .config import ParallelismConfig
 from .ddp import unwrap
 from .engines import is_dtensor
-from .init_replay import Replay, fill_unset, is_unset, replay_init, replay_of
+from .init_replay import Replay, fill_unset, forget_built_at, is_unset, replay_init, replay_of
 
 logger = logging.getLogger("unison")
 
@@ -142,6 +142,7 @@ class DeferredModel:
             self.kept_buffers = {n: b for n, b in model.named_buffers() if not b.is_meta}
         if self.source == "init":
             self.replay = replay_of(model)
+        forget_built_at(model)
         if self.whole:
             self._materialize(model)
         return model
