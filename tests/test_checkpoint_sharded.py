@@ -25,6 +25,7 @@ from unison.checkpoint.weights import consolidated_state_dict, save_consolidated
 
 WORKER = WORKERS / "sharded_checkpoint_worker.py"
 SEED, BLOCK = 1234, 16  # the worker's model
+ZERO1_LR_AT_SAVE = 1e-2 * 0.5**2  # the worker's ZeRO-1 run: lr 1e-2, halved by its scheduler after 2 steps
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,18 @@ def test_zero3_checkpoint_loads_under_tensor_parallel_ddp_zero1_and_pipeline_sta
         assert not shares[0] & shares[1] and len(shares[0] | shares[1]) == 28
 
 
+def test_zero1_resumes_the_rate_its_scheduler_set_and_a_loaded_zero1_still_follows_its_scheduler(two):
+    """ZeroRedundancyOptimizer hands a scheduler's rate to its inner optimizer only at the next step: the
+    checkpoint, written between the two, must hold the scheduler's rate, not the one of the step before.
+    And a ZeRO-1 optimizer that loads a plain file keeps reading the group dicts the user's scheduler
+    writes into (torch's load_state_dict replaces them)."""
+    for rank, report in enumerate(two):
+        assert report["zero1_resumed_lr"] == ZERO1_LR_AT_SAVE, rank
+        assert report["zero1_resume"]["equal"], (rank, report["zero1_resume"])
+        assert report["zero1_to_zero3"]["lr"] == ZERO1_LR_AT_SAVE, rank
+        assert report["ddp_to_zero1_scheduled_lr"] == [5e-3, 5e-3], rank
+
+
 def test_zero1_and_plain_ddp_checkpoints_load_into_zero3_and_zero1(two):
     for rank, report in enumerate(two):
         assert_loaded_exactly(report["zero1_to_zero3"], rank)
@@ -112,6 +125,8 @@ def test_four_processes_load_two_process_checkpoints(four):
         for source in ("zero3", "zero1"):
             for target in ("zero3", "zero1"):
                 assert_loaded_exactly(report[f"{source}_to_{target}"], (rank, source, target))
+        for target in ("zero3", "zero1"):  # the rate the ZeRO-1 run's scheduler had set at the save
+            assert report[f"zero1_to_{target}"]["lr"] == ZERO1_LR_AT_SAVE, (rank, target)
         assert_loaded_exactly(report["zero3_to_zero3_x_tp"], rank)  # a 2-D (dp, tp) mesh
     shares = [set(r["zero3_to_zero1"]["optimizer_params"]) for r in four]
     assert sum(map(len, shares)) == 28 and len(set.union(*shares)) == 28
@@ -147,7 +162,7 @@ def test_one_process_loads_a_checkpoint_written_by_two(saved, source):
     loaded = get_optimizer_state_dict(
         model, optimizer.optimizer, options=StateDictOptions(full_state_dict=True)
     )
-    assert loaded["param_groups"][0]["lr"] == 1e-2  # the saved hyper-parameters, not this run's
+    assert loaded["param_groups"][0]["lr"] == expected["lr"]  # the saved hyper-parameters, not this run's
     for name, values in loaded["state"].items():
         for key, value in values.items():
             assert torch.equal(value, expected["optimizer"][name][key]), (name, key)

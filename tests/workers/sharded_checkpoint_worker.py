@@ -50,8 +50,9 @@ SEED = 1234
 class Run(TrainingParts):
     """One model and its optimizer, handed to training_state as the Accelerator hands its parts."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        super().__init__(models=[model], optimizers=[AcceleratedOptimizer(optimizer)])
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, scheduler=None) -> None:
+        schedulers = [] if scheduler is None else [scheduler]
+        super().__init__(models=[model], optimizers=[AcceleratedOptimizer(optimizer)], schedulers=schedulers)
 
     @property
     def model(self) -> nn.Module:
@@ -60,6 +61,11 @@ class Run(TrainingParts):
     @property
     def optimizer(self) -> AcceleratedOptimizer:
         return self.optimizers[0]
+
+    def step_schedule(self) -> None:
+        """What the loop does after each optimizer step: the scheduler (if any) sets the next rate."""
+        for scheduler in self.schedulers:
+            scheduler.step()
 
 
 # -- layouts ---------------------------------------------------------------------------------------
@@ -80,6 +86,15 @@ def ddp() -> Run:
 def zero1() -> Run:
     model = apply_zero(make_tiny_gpt(SEED, BLOCK), 1)
     return Run(model, shard_optimizer_state(adamw(model.parameters())))
+
+
+def zero1_scheduled() -> tuple[nn.Module, torch.optim.Optimizer, torch.optim.lr_scheduler.LRScheduler]:
+    """ZeRO-1 as prepare() builds it: the scheduler is the user's, built on the user's optimizer, and
+    reaches the ZeroRedundancyOptimizer only through the param-group dicts the two share."""
+    model = apply_zero(make_tiny_gpt(SEED, BLOCK), 1)
+    user = adamw(model.parameters())
+    scheduler = torch.optim.lr_scheduler.LambdaLR(user, lambda step: 0.5**step)
+    return model, shard_optimizer_state(user), scheduler
 
 
 def zero3() -> Run:
@@ -149,6 +164,7 @@ def train(run: Run, steps: range, split: bool) -> None:
             x, y = x[rank * per_rank : (rank + 1) * per_rank], y[rank * per_rank : (rank + 1) * per_rank]
         run.model(x, y)[1].backward()
         run.optimizer.step()
+        run.step_schedule()
         run.optimizer.zero_grad()
 
 
@@ -230,6 +246,7 @@ def expected_at_save(run: Run, path: Path) -> dict:
     expected = {
         "model": {key: value.clone() for key, value in model.items()},
         "optimizer": gather_optimizer_state(full_optimizer_state(run)),
+        "lr": run.optimizer.param_groups[0]["lr"],
     }
     if dist.get_rank() == 0:
         torch.save(expected, path)
@@ -244,6 +261,7 @@ def compare_loaded(run: Run, expected: dict) -> dict:
         "model": diff(model, expected["model"]),
         "optimizer": diff(optimizer, subset(expected["optimizer"], optimizer)),
         "optimizer_params": sorted(optimizer),
+        "lr": run.optimizer.param_groups[0]["lr"],
     }
 
 
@@ -297,15 +315,17 @@ def two_processes(out: Path) -> dict:
         single.load_state_dict(zero3_expected["model"])
         save_model_weights(single, out / "weights_plain")
 
-    # ZeRO-1: its own resume, and its checkpoint into ZeRO-3
-    run = zero1()
+    # ZeRO-1 with a scheduler: saved after its step (the inner optimizer has the previous rate until the
+    # next optimizer step), its own resume, and its checkpoint into ZeRO-3
+    run = Run(*zero1_scheduled())
     train(run, steps, split=True)
     save_training_state(run, out / "zero1")
     zero1_expected = expected_at_save(run, out / "zero1_expected.pt")
     train(run, more, split=True)
     uninterrupted = local_tensors(run)
-    resumed = zero1()
+    resumed = Run(*zero1_scheduled())
     load_training_state(resumed, out / "zero1")
+    report["zero1_resumed_lr"] = resumed.optimizer.param_groups[0]["lr"]
     train(resumed, more, split=True)
     report["zero1_resume"] = diff(local_tensors(resumed), uninterrupted)
     target = zero3()
@@ -321,9 +341,12 @@ def two_processes(out: Path) -> dict:
     load_training_state(target, out / "ddp")
     report["ddp_files"] = sorted(p.name for p in (out / "ddp").iterdir())
     report["ddp_to_zero3"] = compare_loaded(target, ddp_expected)
-    target = zero1()  # ZeroRedundancyOptimizer reads a plain optimizer state dict itself
+    model, optimizer, scheduler = zero1_scheduled()  # the DDP run saved no scheduler
+    target = Run(model, optimizer)  # ZeroRedundancyOptimizer reads a plain optimizer state dict itself
     load_training_state(target, out / "ddp")
     report["ddp_to_zero1"] = compare_loaded(target, ddp_expected)
+    scheduler.step()  # the rate the next step takes: the user's scheduler still sets it
+    report["ddp_to_zero1_scheduled_lr"] = [target.optimizer.param_groups[0]["lr"], scheduler.get_last_lr()[0]]
 
     # tensor parallel: its own resume
     run = tensor_parallel()
@@ -352,7 +375,11 @@ def two_processes(out: Path) -> dict:
     save_training_state(stage, out / "pipeline")
     if dist.get_rank() == 0:
         torch.save(
-            {"model": reference.model.state_dict(), "optimizer": full_optimizer_state(reference)},
+            {
+                "model": reference.model.state_dict(),
+                "optimizer": full_optimizer_state(reference),
+                "lr": reference.optimizer.param_groups[0]["lr"],
+            },
             out / "pipeline_expected.pt",
         )
     resumed = pipeline_stage(dist.get_rank())

@@ -86,9 +86,23 @@ def _torch_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
 
 
 def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
-    """The optimizer that holds this process's state: ZeRO-1's per-rank inner optimizer, else itself."""
+    """The optimizer that holds this process's state: ZeRO-1's per-rank inner optimizer, else itself.
+
+    ZeRO-1 copies its param_groups' hyper-parameters to the inner optimizer only when it steps, so a
+    scheduler step since then (the usual loop: optimizer.step(); scheduler.step(); save_state) has not
+    reached the inner one yet: they are copied here, as the next step would, before it is read.
+    """
     optimizer = _torch_optimizer(optimizer)
-    return optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer
+    _copy_hyper_parameters(optimizer.param_groups, optimizer.optim.param_groups)
+    return optimizer.optim
+
+
+def _copy_hyper_parameters(source: list[dict[str, Any]], target: list[dict[str, Any]]) -> None:
+    """Every value of each param group but its parameters, from `source` into `target` (in place)."""
+    for source_group, target_group in zip(source, target, strict=True):
+        target_group.update((key, value) for key, value in source_group.items() if key != "params")
 
 
 def optimizers_by_model(
@@ -442,8 +456,7 @@ def _sync_zero_param_groups(optimizer: torch.optim.Optimizer) -> None:
     what was loaded into the inner one must reach the outer groups too (schedulers read those)."""
     outer = _torch_optimizer(optimizer)
     if isinstance(outer, ZeroRedundancyOptimizer):
-        for outer_group, inner_group in zip(outer.param_groups, outer.optim.param_groups, strict=True):
-            outer_group.update((key, value) for key, value in inner_group.items() if key != "params")
+        _copy_hyper_parameters(outer.optim.param_groups, outer.param_groups)
 
 
 def check_full_model_state(

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -174,7 +174,7 @@ def shard_optimizer_state(
     # param groups carry every value, so the constructor gets only the keywords it accepts.
     accepted = inspect.signature(type(optimizer)).parameters
     defaults = {key: value for key, value in optimizer.defaults.items() if key in accepted}
-    return ZeroRedundancyOptimizer(
+    sharded = ZeroRedundancyOptimizer(
         # The user's group dicts themselves, not copies: a learning-rate scheduler built on the user's
         # optimizer writes into these dicts, and ZeroRedundancyOptimizer reads them at every step.
         optimizer.param_groups,
@@ -182,6 +182,25 @@ def shard_optimizer_state(
         process_group=mesh.get_group() if mesh is not None else None,
         **defaults,
     )
+    sharded.register_load_state_dict_post_hook(_keep_shared_groups(sharded.param_groups))
+    return sharded
+
+
+def _keep_shared_groups(shared: list[dict[str, Any]]) -> Callable[[torch.optim.Optimizer], None]:
+    """A load_state_dict post-hook that keeps ZeRO-1 reading the user's group dicts.
+
+    torch's load_state_dict replaces an optimizer's param-group dicts by new ones: the scheduler, which
+    writes into the user's dicts, would stop reaching the optimizer that steps, and a resumed run would
+    train on with the loaded learning rate for good. The loaded values go into the shared dicts, which
+    take their place again.
+    """
+
+    def hook(optimizer: torch.optim.Optimizer) -> None:
+        for group, loaded in zip(shared, optimizer.param_groups, strict=True):
+            group.update(loaded)
+        optimizer.param_groups = shared
+
+    return hook
 
 
 def full_state_dict(model: nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
