@@ -25,6 +25,7 @@ from unison.cost_model import (
 )
 from unison.memory import ModelShape
 from unison.parallel.config import ParallelismConfig
+from unison.parallel.pipeline_split import _balance
 
 A100 = DEVICES["a100-80gb"]
 SEQ, VOCAB = 2048, 51200
@@ -77,13 +78,22 @@ def test_the_bubble_is_p_minus_1_over_vm_plus_p_minus_1_of_the_pipeline(schedule
     assert cost.bubble / (pipeline + cost.bubble) == pytest.approx((p - 1) / (per_device * m + p - 1))
 
 
-def test_a_pipeline_runs_at_its_slowest_stage_whole_blocks_and_the_output_layer():
+def test_a_pipeline_runs_at_its_slowest_stage_as_unisons_split_cuts_it_and_the_output_layer():
     shape, dp, m = gpt(10, 1024), 2, 8
     cost = step_cost(shape, layout(8, pp_size=4, dp_replicate_size=dp), A100, 8, Batch(dp * m, SEQ))
     per_token = 6 * shape.parameters + 12 * 10 * 1024 * SEQ
     head = 6 * VOCAB * 1024
     block = (per_token - head) / 10
-    slowest = (3 * block + head) * dp * m * SEQ / dp  # ceil(10/4) = 3 blocks and the output layer
+    # the pipeline's own split: equal parameters, the embedding with the first block, the output layer
+    # with the last (each 4.2 blocks' worth here), so the end stages hold 1 block and the middle ones 8,
+    # the last of them as many as the largest load allows (the split's tie-break): 5
+    weights = [12 * 1024**2 + 13 * 1024] * 10
+    weights[0] += VOCAB * 1024
+    weights[-1] += VOCAB * 1024
+    starts = [*_balance(weights, 4), 10]
+    blocks = [b - a for a, b in zip(starts, starts[1:])]
+    assert blocks == [1, 3, 5, 1]
+    slowest = max(5 * block, 1 * block + head) * dp * m * SEQ / dp
     rate = A100.peak_flops * DEFAULT_EFFICIENCY * 1024 / (1024 + HIDDEN_HALF_EFFICIENCY)
     rate *= SEQ / (SEQ + TOKENS_HALF_EFFICIENCY)
     assert cost.compute + cost.imbalance == pytest.approx(slowest / rate)

@@ -120,6 +120,12 @@ def test_llama_3_1_8b_on_8_h100_is_fsdp_over_the_node():
         llama("llama_3_1_8b"), hardware, Workload("bf16-mixed", None, 8192, global_batch_size=8), "h100"
     )
     assert (result.config.dp_shard_size, result.config.zero_stage, result.config.tp_size) == (8, 3, 1)
+    # given a larger global batch, torchtitan's local batch of 1-2 sequences of 8,192: long sequences fill
+    # the matrix multiplications already, and memory, not speed, bounds the micro-batch
+    for recompute, micro_batch in ((False, 1), (True, 2)):
+        workload = Workload("bf16-mixed", None, 8192, recompute, global_batch_size=32)
+        result = planner.plan_for(llama("llama_3_1_8b"), hardware, workload, "h100")
+        assert result.cost.micro_batch_size == micro_batch and result.config.dp_size == 8
 
 
 def test_llama_3_1_405b_on_16384_h100_is_tp8_pp_dp_as_meta_trained_it():

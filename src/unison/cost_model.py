@@ -31,8 +31,10 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
   path and do not.
 - the pipeline bubble: (p-1)/(m+p-1) of the step for GPipe and 1F1B, (p-1)/(v·m+p-1) interleaved over
   v stages per device, with m the micro-batches each pipeline runs per step; and the pipeline's pace,
-  which is its slowest stage's: stages hold whole blocks (ceil(L/p) on the fullest) and the last one also
-  the output layer (6·V·h FLOPs per token), so a deep pipeline of few blocks per stage idles the others;
+  which is its slowest device's: stages hold whole blocks, cut as unison's split cuts them (equal
+  parameters, the embedding counted on the first stage and the output layer on the last:
+  unison.plan_stages), and the last one also runs the output layer (6·V·h FLOPs per token); so a stage
+  count that does not divide the blocks (31 stages of 96: some hold 4, the mean is 3.1) idles the others;
   the bubble is that share of the pipeline's compute, imbalance and micro-step overhead.
 
 Groups are laid out as unison's DeviceMesh lays them (unison.parallel.mesh.MESH_DIM_ORDER: tp innermost,
@@ -47,6 +49,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from unison import plan_stages
 from unison.memory import ModelShape
 from unison.parallel.config import ParallelismConfig
 
@@ -244,7 +247,10 @@ def step_cost(
         per_device = stages_per_device(config)
         head = 6.0 * (shape.vocab or 0) * shape.hidden
         block = (model_flops / tokens - head) / shape.layers
-        slowest = (per_device * math.ceil(shape.layers / (pp * per_device)) * block + head) * tokens
+        block_parameters = shape.block_parameters or 12 * shape.hidden**2
+        ends = (shape.vocab or 0) * shape.hidden / block_parameters  # embedding, output layer: in blocks
+        busiest = plan_stages.slowest_device_blocks(shape.layers, pp, per_device, ends, head / block)
+        slowest = busiest * block * tokens
         slowest *= hardware_flops / model_flops / (tp * cp * dp)
         imbalance = max(0.0, slowest / rate - compute)
         bubble = (compute + imbalance + overhead) * (pp - 1) / (per_device * micro_steps)

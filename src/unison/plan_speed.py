@@ -112,15 +112,17 @@ def micro_batch_sizes(workload: Workload) -> list[int]:
     return [b for b in range(1, LARGEST_MICRO_BATCH + 1) if workload.global_batch_size % b == 0]
 
 
-def fastest_micro_batch(priced: list[Any]) -> Any:
+def fastest_micro_batch(priced: list[Any]) -> tuple[Any, float]:
     """Of one layout priced at several micro-batches (objects with a `.cost`), the largest micro-batch
-    predicted within SAME_SPEED of the fastest: fewer, fuller micro-steps lose less to what the model
-    does not count (the loop, data loading, a step's synchronisations), so a tie goes to the larger."""
+    predicted within SAME_SPEED of the fastest, and the fastest step (what the layout is ranked by):
+    fewer, fuller micro-steps lose less to what the model does not count (the loop, data loading, a
+    step's synchronisations), so a tie goes to the larger."""
     fastest = min(c.cost.step for c in priced)
-    return max(
+    larger = max(
         (c for c in priced if c.cost.step <= fastest * (1 + SAME_SPEED)),
         key=lambda c: c.cost.micro_batch_size,
     )
+    return larger, fastest
 
 
 def schedules(config: ParallelismConfig, blocks: int) -> list[ParallelismConfig]:

@@ -197,28 +197,28 @@ def _plan_fastest(
             f"it a multiple of a data-parallel degree that divides the devices (e.g. {hw.devices})."
         )
     for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
-        best = [
+        best = [  # (each layout at its micro-batch, the layout's fastest step: what layouts are ranked by)
             plan_speed.fastest_micro_batch(fits)
             for fits in ([c for c in priced if c.memory.fraction <= limit] for priced in per_layout)
             if fits
         ]
-        if any(not c.config.offload for c in best):  # offload is the last resort, as in the guide's order
-            best = [c for c in best if not c.config.offload]
+        if any(not c.config.offload for c, _ in best):  # offload is the last resort, as in the guide's order
+            best = [(c, step) for c, step in best if not c.config.offload]
         if best:
             break
     else:
         raise _nothing_fits(
             facts, hw, dataclasses.replace(workload, micro_batch_size=sizes[0]), per_layout[0]
         )
-    fastest = min(c.cost.step for c in best)
-    winner = next(c for c in best if c.cost.step <= fastest * (1 + plan_speed.SAME_SPEED))
+    fastest = min(step for _, step in best)
+    winner = next(c for c, step in best if step <= fastest * (1 + plan_speed.SAME_SPEED))
     runners_up = tuple(
         dataclasses.replace(
             c,
             config=_as_run(c.config, workload),
             why=f"{c.cost.step / winner.cost.step - 1:+.0%} step time: " + c.why,
         )
-        for c in sorted((c for c in best if c is not winner), key=lambda c: c.cost.step)[:4]
+        for c in sorted((c for c, _ in best if c is not winner), key=lambda c: c.cost.step)[:4]
     )
     chosen = dataclasses.replace(workload, micro_batch_size=winner.cost.micro_batch_size)
     reasons = _reasons(facts, hw, chosen, winner, by_speed=len(best))
@@ -323,8 +323,10 @@ def _tp_degrees(facts: ModelFacts, per_node: int) -> list[int]:
 
 
 def _pp_degrees(facts: ModelFacts, devices: int) -> list[int]:
-    """Pipeline degrees > 1 that divide `devices` and give every stage at least one block."""
-    return [p for p in range(2, min(devices, facts.blocks) + 1) if devices % p == 0]
+    """Pipeline degrees > 1 that divide `devices` and give every stage at least one block; those that
+    also divide the blocks first (equal stages), so they win a tie in speed."""
+    degrees = [p for p in range(2, min(devices, facts.blocks) + 1) if devices % p == 0]
+    return sorted(degrees, key=lambda p: facts.blocks % p != 0)
 
 
 def _config(hw: Hardware, tp: int, pp: int, data: str) -> ParallelismConfig | None:
