@@ -131,6 +131,9 @@ class CheckpointMethods:
         applied; strict=False loads the weights both have and leaves the model's others as they are (e.g. a
         head added since the save), in every layout, sharded ones included. It concerns the models: as in
         Accelerate, optimizer state still has to match its optimizer's parameters.
+        The saved global batch per optimizer step wins over this run's gradient_accumulation_steps: on
+        another number of processes (or batch size) the accumulation that keeps it is set and said in one
+        line, or the checkpoint is refused before anything is applied (checkpoint/global_batch.py).
         """
         checkpoints = self._checkpoints_dir("load_state") if input_dir is None else None
         # The main process looks at the file system and every process follows its answer: a node whose
