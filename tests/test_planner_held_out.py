@@ -17,6 +17,7 @@ import dataclasses
 from dataclasses import dataclass
 
 import pytest
+from test_planner_published import degrees, within_one_step
 
 from unison import planner
 from unison.cost_model import DEVICES
@@ -123,3 +124,32 @@ def test_the_model_built_for_a_run_has_its_published_size(run):
     assert facts(run).shape.parameters / 1e9 == pytest.approx(run.parameters_b, rel=0.06)
     tp, pp, dp = run.published
     assert tp * pp * dp == run.devices and run.global_batch % dp == 0
+
+
+def test_the_planner_matches_six_of_the_seven_held_out_runs_within_one_step():
+    """Run once the set above was committed (docs/planner.md has the table): 6 of 7 within one step, 5 of
+    them exact; GPT-NeoX-20B is the miss (ZeRO-3 over 96, predicted 1.3x faster than their TP 2 x PP 4 x
+    ZeRO-1: the planner's known preference for sharded data parallelism where ZeRO is allowed)."""
+    matched = {}
+    for run in HELD_OUT:
+        result = plan(run)
+        matched[run.name] = within_one_step(degrees(result.config), run.published)
+    held_out = [name for name in matched if name not in NAMED_IN_THE_ISSUE]
+    assert sum(matched[name] for name in held_out) >= 6, matched
+    assert matched["OPT-175B"]
+
+
+def test_opt_175b_without_recomputation_prices_31_stages_of_96_blocks_as_they_run():
+    """The issue's case. Without recomputation (OPT recomputed, and then gets its published layout) the
+    layouts whose stages divide the 96 blocks either do not fit (pp 2 or 4 x TP 8 x ZeRO-1: 165%, 102%
+    of a device), or reduce-scatter every micro-batch (ZeRO-2/3 under a pipeline), or gather the whole
+    model for each of 8 micro-steps over InfiniBand (TP 8 x ZeRO-3 at micro-batch 1, all that fits);
+    31 stages is the fastest left. They hold 3 or 4 blocks each and the pipeline runs at the 4-block
+    stages' pace, 4 / 3.1 = 1.29x the even split, which the step prices as imbalance."""
+    run = next(run for run in HELD_OUT if run.name == "OPT-175B")
+    hardware = Hardware(run.devices, DEVICES[run.device].memory, run.devices // 8, "nvlink", "infiniband")
+    workload = Workload("bf16-mixed", None, run.seq, False, global_batch_size=run.global_batch)
+    result = planner.plan_for(facts(run), hardware, workload, "a100-80gb")
+    assert result.config.pp_size == 31
+    cost = result.cost
+    assert (cost.compute + cost.imbalance) / cost.compute == pytest.approx(4 / (96 / 31), rel=0.02)
