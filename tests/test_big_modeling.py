@@ -100,6 +100,25 @@ def test_the_replayed_init_is_the_normal_builds_and_leaves_the_generator_where_i
         assert torch.equal(tensor, expected[name]), name
 
 
+def test_models_built_one_after_the_other_in_one_block_start_where_the_previous_init_ended(caplog):
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(5)
+    expected = [plain_model().state_dict() for _ in range(2)]
+    torch.manual_seed(5)
+    with init_empty_weights():  # no seed between them: each starts where the previous one's init ended
+        models = [plain_model() for _ in range(2)]
+    first, second = accelerator.prepare(models[0]), accelerator.prepare(models[1])
+    for model, reference in ((first, expected[0]), (second, expected[1])):
+        for name, tensor in model.state_dict().items():
+            assert torch.equal(tensor, reference[name]), name
+    torch.manual_seed(5)
+    with init_empty_weights():
+        models = [plain_model() for _ in range(2)]
+    with caplog.at_level(logging.WARNING, logger="unison"):
+        accelerator.prepare(models[1])  # before the model built ahead of it: where it starts is unknown
+    assert "prepare the models in the order they were built" in caplog.text, caplog.text
+
+
 class ResetsItsChild(torch.nn.Module):
     """An init that reaches another module's tensors: not replayable one module at a time."""
 

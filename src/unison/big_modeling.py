@@ -16,13 +16,12 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-import torch.nn as nn
 from torch.nn.modules.module import (
     register_module_buffer_registration_hook,
     register_module_parameter_registration_hook,
 )
 
-from .parallel.init_replay import note_built_at
+from .parallel.init_replay import BuildNotes
 
 
 @contextlib.contextmanager
@@ -43,18 +42,10 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
             "buffers real. Leave include_buffers unset; prepare() refills buffers from the model's own "
             "init or from process 0's weights, and keeps any buffer built outside the block as it is."
         )
-    state: list[torch.Tensor] = []
-
-    def note(module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
-        if tensor is not None and tensor.is_meta:
-            now = torch.get_rng_state()  # unchanged by meta draws: moved only by a seed or a real draw
-            if not state or not torch.equal(state[-1], now):
-                state.append(now)
-            note_built_at(module, tensor, state[-1])
-
+    notes = BuildNotes()
     hooks = [
-        register_module_parameter_registration_hook(note),
-        register_module_buffer_registration_hook(note),
+        register_module_parameter_registration_hook(notes.note),
+        register_module_buffer_registration_hook(notes.note),
     ]
     try:
         with torch.device("meta"):

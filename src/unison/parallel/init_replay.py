@@ -50,18 +50,38 @@ BUILT_AT = "_unison_built_at"
 _registrations = itertools.count()
 
 
+class BuildNotes:
+    """What one init_empty_weights() block notes on each meta tensor registered in it (`note`, a
+    global module registration hook for the block): the module it was created for, and the CPU
+    generator's state, where a normal build's draws for it would start (meta draws consume none).
+
+    Models built one after the other from the same state (no seed, no real draw between) start from
+    it alike; built normally, each would start where the previous one's init ended. So each replay
+    records where it ended (`ends`), and the model registered next starts from there.
+    """
+
+    def __init__(self) -> None:
+        self.state: torch.Tensor | None = None
+        self.since = 0  # the registration that first saw `state`
+        self.ends: dict[int, torch.Tensor] = {}  # registration -> the state a normal build reaches there
+
+    def note(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
+        if tensor is None or not tensor.is_meta or hasattr(tensor, BUILT_AT):
+            return  # a tie registers a tensor again: its first registration made it
+        order = next(_registrations)
+        now = torch.get_rng_state()
+        if self.state is None or not torch.equal(self.state, now):
+            self.state, self.since = now, order
+        setattr(tensor, BUILT_AT, _Built(order, self.state, id(module), self.since, self))
+
+
 @dataclass(frozen=True)
 class _Built:
     order: int  # registrations in init_empty_weights() blocks so far
     state: torch.Tensor  # the CPU generator's state then
     creator: int  # id() of the module the tensor was first registered on
-
-
-def note_built_at(module: nn.Module, tensor: torch.Tensor, state: torch.Tensor) -> None:
-    """Record on a meta tensor, at its first registration, the module it was created for and the CPU
-    generator state then: where a normal build's draws for it start, as meta draws consume none."""
-    if tensor.is_meta and not hasattr(tensor, BUILT_AT):
-        setattr(tensor, BUILT_AT, _Built(next(_registrations), state, id(module)))
+    since: int  # the first registration that saw this state
+    notes: BuildNotes
 
 
 @dataclass
@@ -73,6 +93,8 @@ class Replay:
     # "module.name" of each tensor slot that holds a tensor created for another module (a tie made
     # after construction): that module's reset_parameters() drew into a tensor of its own, since gone
     borrowed: set[str]
+    ends: tuple[dict[int, torch.Tensor], int] | None = None  # where to record the state it ends at
+    caveat: str | None = None  # why `start` may not be where a normal build would have started
 
 
 def forget_built_at(model: nn.Module) -> None:
@@ -103,8 +125,21 @@ def replay_of(model: nn.Module) -> Replay | None:
                 built.append(noted)
                 if noted.creator != id(module):
                     borrowed.add(f"{prefix}.{name}" if prefix else name)
-    start = min(built, key=lambda b: b.order).state if built else None
-    return Replay(template, start, borrowed)
+    if not built:
+        return Replay(template, None, borrowed)
+    first, last = min(built, key=lambda b: b.order), max(built, key=lambda b: b.order)
+    ends = (first.notes.ends, last.order + 1)
+    if first.order == first.since:
+        return Replay(template, first.state, borrowed, ends)
+    if first.order in first.notes.ends:  # built right after a model already replayed: where it ended
+        return Replay(template, first.notes.ends[first.order], borrowed, ends)
+    caveat = (
+        f"{type(model).__name__} was built in an init_empty_weights() block after other tensors, from the "
+        "same generator state, and those were not prepared before it: its init starts from that state, "
+        "where a normal build would have started after their draws. Seed before building each model, "
+        "or prepare the models in the order they were built"
+    )
+    return Replay(template, first.state, borrowed, ends, caveat)
 
 
 @dataclass
@@ -271,6 +306,8 @@ def replay_init(
                     where = module_names.get(id(call.module)) or "the root"
                     kind = type(call.module).__name__
                     return f"the init called on {where} ({kind}) reaches other modules' tensors", []
+            if replay.ends is not None:  # the next model built in the block starts here
+                replay.ends[0][replay.ends[1]] = torch.get_rng_state()
             unset: list[str] = []
             for index, group in enumerate(groups):
                 with _allocated(group) as fresh:

@@ -209,6 +209,8 @@ class DeferredModel:
 
             why, left = replay_init(self.replay, place)
             if why is None:
+                if self.replay.caveat:
+                    logger.warning(self.replay.caveat)
                 _refuse_unset(root, left)  # every process replayed every tensor: the same names on all
                 return
         logger.warning(
