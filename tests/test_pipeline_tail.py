@@ -5,7 +5,7 @@ with accumulation 2, clipping, a scheduler that changes the lr every step and an
 the same short tail, against the same loop done by hand on one model. The tail runs in a schedule of
 its own, cut into equal micro-batches (`microbatches_for`, tested here in-process). With data-parallel
 replicas of the pipeline and even_batches=False, a loader whose last round is short is refused at
-prepare() (`check_loader_rounds_even`, in-process here).
+prepare() (`check_loader_rounds_even` of parallel/join.py, in-process here).
 """
 
 from __future__ import annotations
@@ -18,7 +18,9 @@ from launching import WORKERS, launch_ok
 from pipeline_tail_worker import RUNS
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison.parallel.pipeline import check_loader_rounds_even, microbatches_for
+from unison.parallel.config import ParallelismConfig
+from unison.parallel.join import check_loader_rounds_even
+from unison.parallel.pipeline import microbatches_for
 
 
 @pytest.fixture(scope="module")
@@ -63,13 +65,16 @@ def loader(samples: int, drop_last: bool = False) -> DataLoader:
 
 
 def test_unequal_last_batches_across_pipeline_replicas_are_refused():
-    layout = "pp=2 x dp_shard=2"
+    layout = ParallelismConfig(pp_size=2, dp_shard_size=2).validate(4)
     with pytest.raises(
         ValueError, match=r"18 samples in batches of 4 end on a round of 2 samples, not 8"
     ) as error:
-        check_loader_rounds_even(loader(18), 2, False, layout)
+        check_loader_rounds_even(loader(18), layout, False)
+    assert "pp=2" in str(error.value) and "dp_shard=2" in str(error.value)
     assert "even_batches=True" in str(error.value) and "drop_last=True" in str(error.value)
     with pytest.raises(ValueError, match="round of 2 samples, not 4"):  # split_batches: 4 is the global batch
-        check_loader_rounds_even(loader(18), 2, True, layout)
-    check_loader_rounds_even(loader(16), 2, False, layout)  # even rounds
-    check_loader_rounds_even(loader(18, drop_last=True), 2, False, layout)  # the short round is dropped
+        check_loader_rounds_even(loader(18), layout, True)
+    with pytest.raises(ValueError, match="round of 6 samples, not 8.*last batches differ in size"):
+        check_loader_rounds_even(loader(14), layout, False)  # 2 batches each, but one of 2 rows
+    check_loader_rounds_even(loader(16), layout, False)  # even rounds
+    check_loader_rounds_even(loader(18, drop_last=True), layout, False)  # the short round is dropped

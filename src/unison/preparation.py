@@ -30,9 +30,10 @@ from .parallel.apply import (
 from .parallel.auto import plan_for_this_job
 from .parallel.config import ParallelismConfig
 from .parallel.ddp import unwrap
+from .parallel.join import check_loader_rounds_even
 from .parallel.materialize import deferred_model
 from .parallel.mesh import data_parallel_mesh
-from .parallel.pipeline import PipelineModel, check_loader_rounds_even
+from .parallel.pipeline import PipelineModel
 
 logger = logging.getLogger("unison")
 
@@ -119,11 +120,8 @@ class PreparationMethods:
         if self.parallelism is None:
             self._plan_layout(model)
         if self.parallelism.pp_size > 1 and self.precision.scaler is not None:
-            raise ValueError(
-                f"mixed_precision='fp16' with pipeline parallelism ({self.parallelism.describe()}): the fp16 "
-                "loss scaler needs every stage's gradients on one rank to decide a skip. Use "
-                "mixed_precision='bf16' (no scaler) or a layout without pp_size."
-            )
+            # each rank holds some stages' gradients: an overflow anywhere skips the step everywhere
+            self.precision.scaler.agree_across_processes()
         self._check_ddp_kwargs_apply()
         self._say_pipelines_reduce_every_step()
         if device_placement is None:
@@ -264,8 +262,8 @@ class PreparationMethods:
                 "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
                 "dispatch_batches unset so that each data-parallel rank reads its own shard."
             )
-        if (layout.pp_size or 1) > 1 and layout.dp_size > 1 and not self.even_batches:
-            check_loader_rounds_even(data_loader, layout.dp_size, self.split_batches, layout.describe())
+        if not self.even_batches:  # a short last round that the layout's collectives cannot run
+            check_loader_rounds_even(data_loader, layout, self.split_batches)
         # Ranks of one tensor-parallel group (or pipeline) read the same batch: shard by data-parallel rank.
         prepared = prepare_data_loader(
             data_loader,

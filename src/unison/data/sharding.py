@@ -16,6 +16,7 @@ DataLoaderDispatcher all use it, so they agree on who gets what.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 from collections.abc import Iterable, Iterator, Sequence
@@ -161,6 +162,80 @@ def rounds_for_process(
     if even_batches:
         return rounds + 1
     return rounds + int(process_index < leftover)
+
+
+@dataclass(frozen=True)
+class ShortLastRound:
+    """A loader's final, incomplete round as it falls on the processes when nothing tops it up
+    (even_batches=False): what prepare() needs to refuse a layout whose collectives could not match.
+
+    samples and round_size (samples in a full round) are None where the loader does not say (a custom
+    batch sampler, ready-made batches); last_round (samples in the final round) is then None too.
+    batches[p] is how many batches process p gets in an epoch.
+    """
+
+    num_batches: int
+    samples: int | None
+    batch_size: int | None
+    round_size: int | None
+    last_round: int | None
+    batches: tuple[int, ...]
+
+    @property
+    def unequal_counts(self) -> bool:
+        """Some processes get a batch fewer than others: they would miss the others' last step."""
+        return len(set(self.batches)) > 1
+
+
+def short_last_round(loader: Any, num_processes: int, split_batches: bool) -> ShortLastRound | None:
+    """The final round of `loader` sharded over `num_processes` without top-up, if it is incomplete.
+
+    None when every round is full, when drop_last drops the incomplete one, or when the loader cannot
+    say ahead (a stream or a batch sampler without a length). It reads only the loader's lengths and
+    batch size, so it gives the same answer on every process, before anything runs; the counts are
+    `rounds_for_process`' (the arithmetic of iter_rounds).
+    """
+    counted = _batches_of(loader)
+    if counted is None:
+        return None
+    num_batches, samples, batch_size, drop_last = counted
+    if drop_last or num_batches == 0:
+        return None
+    n = num_processes
+    round_size = last_round = last_batch = None
+    if samples is not None and batch_size is not None:
+        round_size = batch_size if split_batches else batch_size * n
+        last_round = samples - (samples - 1) // round_size * round_size
+        last_batch = samples - (num_batches - 1) * batch_size
+    batches = tuple(
+        rounds_for_process(num_batches, last_batch, batch_size, n, p, split_batches, False, False)
+        for p in range(n)
+    )
+    if len(set(batches)) == 1 and last_round == round_size:  # equal counts, no short batch (or unknown)
+        return None
+    return ShortLastRound(num_batches, samples, batch_size, round_size, last_round, batches)
+
+
+def _batches_of(loader: Any) -> tuple[int, int | None, int | None, bool] | None:
+    """(batches, samples, batch size, drop_last) of a DataLoader as its shard will deal them; samples
+    and batch size None where unknown; None when the loader has no length."""
+    with contextlib.suppress(TypeError):
+        if isinstance(loader.dataset, IterableDataset):  # a stream with a length, cut by the loader
+            samples, batch_size = len(loader.dataset), loader.batch_size
+            if batch_size is None:
+                return samples, None, None, False
+            return -(-samples // batch_size), samples, batch_size, loader.drop_last
+        batch_sampler = loader.batch_sampler
+        if batch_sampler is None and isinstance(loader.sampler, BatchSampler):
+            batch_sampler = loader.sampler  # batch_size=None over a batch sampler: dataset[list of indices]
+        if batch_sampler is None:  # batch_size=None: each index fetches a ready-made batch
+            return len(loader.sampler), None, None, False
+        batch_size = getattr(batch_sampler, "batch_size", None)
+        drop_last = bool(getattr(batch_sampler, "drop_last", False))
+        if type(batch_sampler) is not BatchSampler or batch_size is None:  # a custom one: sizes unknown
+            return len(batch_sampler), None, None, drop_last
+        return len(batch_sampler), len(batch_sampler.sampler), batch_size, drop_last
+    return None
 
 
 def check_process_index(num_processes: int, process_index: int) -> None:

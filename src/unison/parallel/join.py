@@ -28,7 +28,9 @@ from torch.utils.data import DataLoader
 
 from ..data import BatchSamplerShard, DataLoaderDispatcher
 from ..data.loader import find_in_chain
+from ..data.sharding import short_last_round
 from .apply import data_parallel_engine
+from .config import ParallelismConfig
 
 if TYPE_CHECKING:
     from ..accelerator import Accelerator
@@ -59,15 +61,72 @@ def join_uneven_inputs(
             yield
 
 
+def joins_uneven_inputs(layout: ParallelismConfig) -> bool:
+    """Whether a process that has run out of batches can be shadowed for the others: plain DDP only."""
+    return data_parallel_engine(layout) == "ddp" and layout.zero_stage != 1
+
+
+def _unshadowed(layout: ParallelismConfig) -> str:
+    """The collectives torch's Join has no hook for under `layout` (one that is not plain DDP)."""
+    if layout.zero_stage == 1 and data_parallel_engine(layout) == "ddp":
+        return "ZeRO-1's sharded optimizer step"
+    return "FSDP2's collectives"
+
+
+def check_loader_rounds_even(loader: DataLoader, layout: ParallelismConfig, split_batches: bool) -> None:
+    """Refuse, at prepare(), an even_batches=False loader whose last round the layout cannot run.
+
+    Without top-up, a length that does not divide into full rounds leaves some data-parallel ranks a
+    batch fewer (or, with split_batches, no slice of the last batch). Outside plain DDP (where
+    join_uneven_inputs shadows the ranks that ran out) their collectives would not match: the others
+    wait until the timeout, or gloo aborts on a size mismatch, after the epoch's work. A pipeline's
+    replicas also need last batches of one size (each runs its short batch in a schedule of its own,
+    cut into micro-batches by its size). The verdict is the loader's arithmetic alone, the same on every
+    process, so every process raises before any collective.
+    """
+    if layout.dp_size == 1 or joins_uneven_inputs(layout):
+        return
+    short = short_last_round(loader, layout.dp_size, split_batches)
+    pipeline = (layout.pp_size or 1) > 1
+    if short is None or not (short.unequal_counts or pipeline):
+        return
+    if short.samples is None:
+        what = f"the loader's {short.num_batches} batches (of sizes it does not say) end on a short round"
+        fix = f"a number of batches that is a multiple of {layout.dp_size}"
+    else:
+        what = (
+            f"the loader's {short.samples} samples in batches of {short.batch_size} end on a round of "
+            f"{short.last_round} samples, not {short.round_size}"
+        )
+        fix = f"a dataset length that is a multiple of {short.round_size}"
+    if short.unequal_counts:
+        fewer = [rank for rank, count in enumerate(short.batches) if count < max(short.batches)]
+        consequence = (
+            f"data-parallel ranks {fewer} get {min(short.batches)} batches and the others "
+            f"{max(short.batches)}: the others' last step would wait in {_unshadowed(layout)} for ranks "
+            "that never come"
+        )
+    else:
+        consequence = (
+            "the pipeline replicas' last batches differ in size and would run schedules of different "
+            f"lengths, whose {_unshadowed(layout)} could not match"
+        )
+    raise ValueError(
+        f"even_batches=False under {layout.describe()}: {what}, so {consequence}, until the timeout, after "
+        "the epoch's work (torch's Join, behind join_uneven_inputs, shadows only DDP's all-reduce). Keep "
+        "even_batches=True (the default: the last round is topped up from the epoch's start, and "
+        f"gather_for_metrics drops the top-up), or give the DataLoader drop_last=True, or {fix}."
+    )
+
+
 def _check_joinable(accelerator: Accelerator, joinables: Sequence[Joinable]) -> None:
     layout = accelerator.parallelism
-    if data_parallel_engine(layout) != "ddp" or layout.zero_stage == 1:
-        what = "ZeRO-1's sharded optimizer step" if layout.zero_stage == 1 else "FSDP2's collectives"
+    if not joins_uneven_inputs(layout):
         raise ValueError(
             f"join_uneven_inputs with uneven batches (even_batches=False) under {layout.describe()}: "
             f"torch's Join shadows DDP's gradient all-reduce for a process that has run out of batches, "
-            f"not {what}, so the other processes would wait for ever. Use parallelism='ddp', or keep "
-            "even_batches=True (the last round topped up; gather_for_metrics drops the top-up)."
+            f"not {_unshadowed(layout)}, so the other processes would wait for ever. Use parallelism='ddp', "
+            "or keep even_batches=True (the last round topped up; gather_for_metrics drops the top-up)."
         )
     plugin = accelerator.gradient_accumulation_plugin
     if accelerator.gradient_accumulation_steps > 1 and plugin.sync_with_dataloader:

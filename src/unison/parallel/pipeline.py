@@ -33,7 +33,6 @@ __all__ = [
     "LossFn",
     "PipelineModel",
     "build_pipeline",
-    "check_loader_rounds_even",
     "microbatches_for",
     "pipeline_bubble_fraction",
     "split_model",
@@ -398,31 +397,6 @@ def microbatches_for(rows: int, micro_batch_rows: int, pp_size: int, interleaved
     ]
     fitting = [d for d in counts if rows // d <= micro_batch_rows]
     return min(fitting) if fitting else max(counts)
-
-
-def check_loader_rounds_even(loader: Any, dp_size: int, split_batches: bool, layout: str) -> None:
-    """Refuse, at prepare(), a loader whose last round leaves the data-parallel replicas of a pipeline
-    with unequal batches (even_batches=False, drop_last=False, a length that does not divide): a
-    replica with one batch fewer, or a tail of another size (whose schedule infers its shapes by running
-    a micro-batch), would leave the stages' FSDP collectives over the replicas unmatched, and torch's
-    Join has no hook for them. The verdict depends on the loader alone: the same on every process."""
-    batch_size = getattr(loader, "batch_size", None)
-    try:
-        samples = len(loader.dataset)
-    except TypeError:  # no length: read in shards, whose last round is always evened
-        return
-    if batch_size is None or getattr(loader, "drop_last", False):
-        return
-    round_size = batch_size if split_batches else batch_size * dp_size
-    if samples % round_size:
-        raise ValueError(
-            f"even_batches=False under {layout}: the loader's {samples} samples in batches of {batch_size} "
-            f"end on a round of {samples % round_size} samples, not {round_size}, so the {dp_size} "
-            "data-parallel replicas of the pipeline would get unequal last batches (or none), and their "
-            "stages' FSDP collectives could not match. Keep even_batches=True (the default: the last "
-            "round is topped up from the epoch's start), or give the DataLoader drop_last=True, or a "
-            f"dataset length that is a multiple of {round_size}."
-        )
 
 
 def _tie_groups(
