@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.utils.hooks import RemovableHandle
 
 from .ops import recursively_apply
@@ -111,9 +112,45 @@ class LayoutGroupedGradScaler(torch.amp.GradScaler):
     agree across the mesh (torch all-reduces it by the max over the dimensions the *first* gradient of a
     call is sharded on: one placement per call makes that the right set). Only `_unscale_grads_` is
     replaced, torch's private method that `unscale_` calls (pinned in tests/test_torch_private_apis.py).
+
+    Under pipeline parallelism each rank holds some stages' gradients only, so an overflow in one stage
+    would skip the step on its rank alone and the stages would drift apart (and clipping by the whole
+    model's norm would turn the others' gradients into NaNs that they then step with).
+    `agree_across_processes()` makes every unscale end with one all-reduce (MAX) of the found-inf flag,
+    as Megatron-LM does over its model-parallel group: every rank then skips, lowers its scale, and
+    keeps its scheduler, together.
     """
 
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._agree = False
+        self._agree_group: dist.ProcessGroup | None = None
+
+    def agree_across_processes(self, group: dist.ProcessGroup | None = None) -> None:
+        """From now on an overflow found on any process of `group` (None: all of them) counts on each:
+        one all-reduce of a single flag per unscaled optimizer. Collective: every process of the group
+        must then unscale the same optimizers in the same order (the training loop does)."""
+        self._agree, self._agree_group = True, group
+
     def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        found = self._unscale_by_layout(optimizer, inv_scale, found_inf, allow_fp16)
+        return self._agreed(found, found_inf) if self._agree else found
+
+    def _agreed(
+        self, found: dict[torch.device, torch.Tensor], found_inf: torch.Tensor
+    ) -> dict[torch.device, torch.Tensor]:
+        """`found` with every flag set to the maximum over this process's devices and the group's
+        processes. A process with no gradient to unscale still takes part (with its zero `found_inf`),
+        and records that flag, so that its step is skipped or taken with the others'."""
+        flags = list(found.values()) or [found_inf]
+        agreed = torch.stack([flag.to(found_inf.device) for flag in flags]).amax()
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX, group=self._agree_group)
+        for flag in flags:
+            flag.copy_(agreed)
+        return found or {found_inf.device: found_inf}
+
+    def _unscale_by_layout(self, optimizer, inv_scale, found_inf, allow_fp16):
+        """torch's unscale, one call per gradient layout; the per-device found-inf flags, merged."""
         groups = _params_by_gradient_layout(optimizer.param_groups)
         if len(groups) <= 1:
             return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)

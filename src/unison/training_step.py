@@ -196,6 +196,10 @@ class TrainingStepMethods:
         """
         if isinstance(model, PipelineModel):
             counted = self._item_count.begin_backward(num_items)
+            scaler = self.precision.scaler
+            # fp16: the scale as a tensor on every rank (scale() also creates the scaler's state on the
+            # ranks whose stages compute no loss, which unscale_ needs there)
+            grad_scale = scaler.scale(torch.ones((), device=self.device)) if scaler is not None else None
             # a mean loss: gradients of the micro-batches' mean, divided over the accumulation window;
             # a summed loss (num_items): gradients of the micro-batches' sum, normalised at the window end
             with self._loss_parallel():
@@ -206,6 +210,7 @@ class TrainingStepMethods:
                     divide_by=self.gradient_accumulation_steps if counted is None else 1,
                     sync=self.sync_gradients or self.sync_each_batch,
                     reduction="mean" if counted is None else "sum",
+                    grad_scale=grad_scale,
                 )
             self._end_backward(counted)
             return loss

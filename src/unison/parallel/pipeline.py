@@ -92,6 +92,7 @@ class PipelineModel(nn.Module):
         self.tied_names = self.stage_modules[0].tied_names
         self._loss_fn: LossFn | None = None
         self._loss_scale = 1.0
+        self._grad_scale: torch.Tensor | None = None
         self._losses: list[torch.Tensor] = []
         # torch sizes a schedule's send/receive buffers on its first call: one schedule per (training?,
         # batch shapes), the one built first for the first call; the first shapes of each mode fix the
@@ -135,6 +136,7 @@ class PipelineModel(nn.Module):
         divide_by: float = 1.0,
         sync: bool = True,
         reduction: str = "mean",
+        grad_scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Forward and backward of all micro-batches; returns the batch's loss (detached) on every rank.
 
@@ -149,6 +151,9 @@ class PipelineModel(nn.Module):
         sync: False on the non-final micro-steps of an accumulation window: the copies of a weight tied
             across stages keep their local gradients, summed over the pipeline ranks once, by the call
             that ends the window (the sum is linear: one all-reduce of the window's total is the same).
+        grad_scale: fp16's loss scale (a one-element tensor, GradScaler's): the loss the last stage
+            backpropagates is multiplied by it, so every stage's gradients come out scaled, as
+            `scaler.scale(loss).backward()` leaves them in one process; the returned loss is not.
 
         A batch of another size than the first call's (a loader's short last batch) runs too, in a
         schedule of its own (`microbatches_for` says how many micro-batches).
@@ -157,6 +162,7 @@ class PipelineModel(nn.Module):
             raise ValueError(f"reduction={reduction!r}: pass 'mean' (loss_fn returns means) or 'sum' (sums).")
         inputs, schedule, microbatches = self._prepare(inputs, target, loss_fn, training=True)
         self._loss_scale = (1.0 / microbatches if reduction == "mean" else 1.0) / divide_by
+        self._grad_scale = grad_scale
         if self._held_tied_grads is None:  # the window's first call: set aside what was reduced before
             self._held_tied_grads = [[self._detach_grad(p) for p in params] for params, _ in self._tie_groups]
         # keyword arguments reach every stage (split into micro-batches): each recomputes from the
@@ -176,6 +182,7 @@ class PipelineModel(nn.Module):
         """Forward only (torch's `schedule.eval`): the batch's mean loss on every rank (the mean over its
         equal micro-batches' means); a short last batch runs as in `step`."""
         inputs, schedule, microbatches = self._prepare(inputs, target, loss_fn, training=False)
+        self._grad_scale = None
         with self._gradients_kept(schedule):
             schedule.eval(target=target, inputs=inputs)
         return self._mean_loss(microbatches)
@@ -248,11 +255,12 @@ class PipelineModel(nn.Module):
     def _loss(self, stage_output: Any, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss function: the user's, on the model's own output structure, scaled so the
         summed micro-batch gradients are those of the batch mean (torch's scale_grads would also
-        divide gradients accumulated by earlier calls)."""
+        divide gradients accumulated by earlier calls), and by fp16's loss scale."""
         loss = self._loss_fn(self.stage_modules[-1].rebuild_output(stage_output), target)
         value = loss.detach()
         self._losses.append(value.full_tensor() if hasattr(value, "full_tensor") else value)  # loss_parallel
-        return loss * self._loss_scale
+        loss = loss * self._loss_scale
+        return loss if self._grad_scale is None else loss * self._grad_scale
 
     def _mean_loss(self, microbatches: int) -> torch.Tensor:
         """Mean of this call's micro-batch losses, broadcast from the last stage's rank."""
