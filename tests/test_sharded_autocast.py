@@ -50,11 +50,12 @@ def test_the_residual_stream_stays_fp32_and_master_weights_too(report, depth, la
 
 @pytest.mark.parametrize("depth", DEPTHS)
 def test_the_all_gathers_stay_about_halved(report, depth):
-    """The blocks' projections travel in bf16, embeddings and norms (what autocast reads in fp32) in fp32:
-    0.534 of the fp32 bytes at 2 blocks (the 32 x 32 embeddings weigh), 0.510 at 12."""
+    """The blocks' projections travel in bf16, embeddings and norms (what autocast reads in fp32) in fp32,
+    the norms once per step: 0.528 of the fp32 bytes at 2 blocks (the 32 x 32 embeddings weigh), 0.505
+    at 12."""
     fp32 = report[f"{depth}/zero3/no"]["bytes"]["all_gather"]
     for precision in DTYPES[1:]:
         ratio = report[f"{depth}/zero3/{precision}"]["bytes"]["all_gather"] / fp32
-        assert 0.5 < ratio <= (0.535 if depth == 2 else 0.511), (depth, precision, ratio)
+        assert 0.5 < ratio <= (0.53 if depth == 2 else 0.506), (depth, precision, ratio)
     reduced = {report[f"{depth}/zero3/{precision}"]["bytes"]["reduce_scatter"] for precision in DTYPES}
     assert len(reduced) == 1  # gradients reduced in fp32 in all three

@@ -144,11 +144,11 @@ def apply_zero(
             stage,
             type(model).__name__,
         )
+    if compute_dtype is not None:
+        shard_as_autocast(model, units, compute_dtype, **shard_kwargs)
+        return model
     for unit in [*units, model]:
-        if compute_dtype is None:
-            fully_shard(unit, **shard_kwargs)
-        else:
-            shard_as_autocast(unit, compute_dtype, **shard_kwargs)
+        fully_shard(unit, **shard_kwargs)
     return model
 
 
