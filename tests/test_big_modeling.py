@@ -119,6 +119,27 @@ def test_models_built_one_after_the_other_in_one_block_start_where_the_previous_
     assert "prepare the models in the order they were built" in caplog.text, caplog.text
 
 
+class BuiltOutOfOrder(torch.nn.Module):
+    """`body` is built before `head` but registered after it: its init draws first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        body = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+        self.head = torch.nn.Embedding(10, 8)
+        self.body = body
+
+
+def test_the_replay_follows_the_order_modules_were_built_in_not_registered_in():
+    accelerator = Accelerator(cpu=True)
+    torch.manual_seed(6)
+    expected = BuiltOutOfOrder().state_dict()
+    torch.manual_seed(6)
+    with init_empty_weights():
+        model = BuiltOutOfOrder()
+    for name, tensor in accelerator.prepare(model).state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
 class ResetsItsChild(torch.nn.Module):
     """An init that reaches another module's tensors: not replayable one module at a time."""
 

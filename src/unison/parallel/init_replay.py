@@ -41,7 +41,7 @@ import contextlib
 import copy
 import itertools
 from collections.abc import Callable, Collection, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -66,11 +66,13 @@ class BuildNotes:
         self.state: torch.Tensor | None = None
         self.since = 0  # the registration that first saw `state`
         self.ends: dict[int, torch.Tensor] = {}  # registration -> the state a normal build reaches there
+        self.last: dict[int, int] = {}  # id() of a module -> the last new tensor registered on it
 
     def note(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
         if tensor is None or not tensor.is_meta or hasattr(tensor, BUILT_AT):
             return  # a tie registers a tensor again: its first registration made it
         order = next(_registrations)
+        self.last[id(module)] = order
         now = torch.get_rng_state()
         if self.state is None or not torch.equal(self.state, now):
             self.state, self.since = now, order
@@ -95,6 +97,9 @@ class Replay:
     # "module.name" of each tensor slot that holds a tensor created for another module (a tie made
     # after construction): that module's reset_parameters() drew into a tensor of its own, since gone
     borrowed: set[str]
+    # "module" -> the last tensor registered in its subtree while the block ran: the module's
+    # reset_parameters(), at the end of its construction, came after it and before the next one
+    constructed: dict[str, int] = field(default_factory=dict)
     ends: tuple[dict[int, torch.Tensor], int] | None = None  # where to record the state it ends at
     caveat: str | None = None  # why `start` may not be where a normal build would have started
 
@@ -131,17 +136,36 @@ def replay_of(model: nn.Module) -> Replay | None:
         return Replay(template, None, borrowed)
     first, last = min(built, key=lambda b: b.order), max(built, key=lambda b: b.order)
     ends = (first.notes.ends, last.order + 1)
+    constructed = _constructed(model, first.notes.last)
     if first.order == first.since:
-        return Replay(template, first.state, borrowed, ends)
+        return Replay(template, first.state, borrowed, constructed, ends)
     if first.order in first.notes.ends:  # built right after a model already replayed: where it ended
-        return Replay(template, first.notes.ends[first.order], borrowed, ends)
+        return Replay(template, first.notes.ends[first.order], borrowed, constructed, ends)
     caveat = (
         f"{type(model).__name__} was built in an init_empty_weights() block after other tensors, from the "
         "same generator state, and those were not prepared before it: its init starts from that state, "
         "where a normal build would have started after their draws. Seed before building each model, "
         "or prepare the models in the order they were built"
     )
-    return Replay(template, first.state, borrowed, ends, caveat)
+    return Replay(template, first.state, borrowed, constructed, ends, caveat)
+
+
+def _constructed(model: nn.Module, last: dict[int, int]) -> dict[str, int]:
+    """Each module (by name) whose subtree registered a tensor in the block: the last such
+    registration (see `Replay.constructed`)."""
+    out: dict[str, int] = {}
+
+    def visit(prefix: str, module: nn.Module) -> int | None:
+        mine = [last.get(id(module))]
+        for name, child in module.named_children():
+            mine.append(visit(f"{prefix}.{name}" if prefix else name, child))
+        known = [order for order in mine if order is not None]
+        if known:
+            out[prefix] = max(known)
+        return max(known) if known else None
+
+    visit("", model)
+    return out
 
 
 @dataclass
@@ -182,17 +206,25 @@ class _Call:
     constructing: bool  # a reset_parameters() the module's construction ran (before any later tie)
 
 
-def _calls(root: nn.Module) -> list[_Call] | None:
+def _calls(root: nn.Module, constructed: dict[str, int]) -> list[_Call] | None:
     """The init calls of a normal build, in order; None when the root has an init_weights() (one call
-    over the whole model, not replayable a module at a time)."""
+    over the whole model, not replayable a module at a time).
+
+    The reset_parameters() calls in construction order: `Module.apply`'s (children first, then the
+    module holding them, each in the order it was registered), reordered by the registrations the
+    block saw (`constructed`) where a module was built before one registered ahead of it."""
     if callable(getattr(root, "init_weights", None)):
         return None
-    calls: list[_Call] = []
+    names = {id(m): n for n, m in root.named_modules()}
+    resets: list[tuple[int, _Call]] = []
     seen: set[int] = set()
-    for module in _apply_order(root):  # constructed children first, then the module that holds them
+    key = -1
+    for module in _apply_order(root):
+        key = constructed.get(names[id(module)], key)  # none noted: right after the one before
         if id(module) not in seen and callable(getattr(module, "reset_parameters", None)):
             seen.add(id(module))
-            calls.append(_Call(module, module.reset_parameters, True))
+            resets.append((key, _Call(module, module.reset_parameters, True)))
+    calls = [call for _, call in sorted(resets, key=lambda pair: pair[0])]  # stable: apply's on ties
     init = getattr(root, "_init_weights", None)
     if callable(init):
         calls.extend(_Call(module, lambda m=module: init(m), False) for module in _apply_order(root))
@@ -271,7 +303,7 @@ def replay_init(
     The CPU generator is left as it was. Returns (why the init cannot be replayed, or None; the names
     of the tensors the init left unset). When it cannot, nothing has been placed."""
     template = replay.template
-    calls = _calls(template)
+    calls = _calls(template, replay.constructed)
     if calls is None:
         return f"{type(template).__name__} has its own init_weights(), one call over the whole model", []
     groups, group_of = _groups(template)
