@@ -59,7 +59,8 @@ class BuildNotes:
 
     Models built one after the other from the same state (no seed, no real draw between) start from
     it alike; built normally, each would start where the previous one's init ended. So each replay
-    records where it ended (`ends`), and the model registered next starts from there.
+    records where it ended (`ends`), and the model registered next starts from there. The last tensor
+    registered on each module (`last`) gives the order the modules were built in.
     """
 
     def __init__(self) -> None:
