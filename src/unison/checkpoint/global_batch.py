@@ -10,8 +10,10 @@ it, says so in one line on the main process, and refuses, before anything is app
 micro-step no whole accumulation fits.
 
 Which loader is the training loader: the one being iterated when save_state ran (the usual place, inside
-the training loop), recorded in the counters; otherwise every prepared loader, which must then agree. A
-run without prepared loaders counts micro-batches: accumulation x processes.
+the training loop), recorded in the counters; otherwise every prepared loader, which must then agree.
+Without a prepared loader the batch is the script's business (it may already size its accumulation by
+the number of processes, as nanoGPT does, and under tensor or pipeline parallelism the processes are not
+all data-parallel): the script's accumulation stays.
 """
 
 from __future__ import annotations
@@ -45,11 +47,12 @@ class GlobalBatch:
 
 def _samples_per_micro_step(
     counters: dict[str, Any], saved_loaders: Sequence[dict | None], live_loaders: Sequence[Any]
-) -> list[tuple[int, int]]:
-    """(saved, live) samples per micro-step of the training loader, or of every loader when the save did
-    not happen inside a loop over one; [] without prepared loaders."""
+) -> list[tuple[int, int, int | None]]:
+    """(saved, live) samples per micro-step (over the data-parallel processes) and the live per-process
+    batch size of the training loader, or of every loader when the save did not happen inside a loop over
+    one; [] without prepared loaders."""
     pairs = [
-        (int(saved["total_batch_size"]), int(live.samples_per_step))
+        (int(saved["total_batch_size"]), int(live.samples_per_step), getattr(live, "batch_size", None))
         if saved is not None and saved.get("total_batch_size") and hasattr(live, "samples_per_step")
         else None
         for saved, live in zip(saved_loaders, live_loaders)
@@ -73,21 +76,15 @@ def resumed_global_batch(
     the script asked for; `saved_loaders`: each prepared loader's saved state, in order).
 
     Pure, and computed alike on every process from the files each read: a CheckpointError is raised on
-    every process, before anything is applied. A checkpoint from before these counters keeps the script's
-    accumulation.
+    every process, before anything is applied. A checkpoint from before these counters, and a run without
+    prepared loaders, keep the script's accumulation.
     """
     saved_k, saved_world = counters.get("gradient_accumulation_steps"), counters.get("world_size")
-    if saved_k is None or saved_world is None:
-        return GlobalBatch(accumulation)
     pairs = _samples_per_micro_step(counters, saved_loaders, live_loaders)
-    if pairs:
-        unit = "samples"
-        saved_per_micro_step, per_micro_step = pairs[0]
-        needed = {Fraction(saved_k * saved, live) for saved, live in pairs}
-    else:  # no prepared loader: count the micro-batches of all processes
-        unit = "micro-batches"
-        saved_per_micro_step, per_micro_step = saved_world, num_processes
-        needed = {Fraction(saved_k * saved_per_micro_step, per_micro_step)}
+    if saved_k is None or saved_world is None or not pairs:
+        return GlobalBatch(accumulation)
+    saved_per_micro_step, per_micro_step, process_batch = pairs[0]
+    needed = {Fraction(saved_k * saved, live) for saved, live, _ in pairs}
     total = saved_k * saved_per_micro_step
     saved_as = f"saved with world size {saved_world} x gradient_accumulation_steps {saved_k}"
     if len(needed) > 1:
@@ -100,33 +97,32 @@ def resumed_global_batch(
     resumed = needed.pop()
     if resumed.denominator != 1:
         raise CheckpointError(
-            f"{directory} was {saved_as}: {total} {unit} per optimizer step ({saved_per_micro_step} {unit} "
-            f"per micro-step). This run on {num_processes} processes takes {per_micro_step} {unit} per "
+            f"{directory} was {saved_as}: {total} samples per optimizer step ({saved_per_micro_step} samples "
+            f"per micro-step). This run on {num_processes} processes takes {per_micro_step} samples per "
             f"micro-step, and no whole gradient_accumulation_steps makes {total} of them. The global batch "
             "per optimizer step is part of the training state (the learning rate and the scheduler were "
-            f"tuned for it). {_fix(total, per_micro_step, num_processes, split_batches, unit)}"
+            f"tuned for it). {_fix(total, per_micro_step, process_batch, num_processes, split_batches)}"
         )
     if resumed == accumulation:
         return GlobalBatch(accumulation)
     message = (
         f"checkpoint {directory} {saved_as}, resumed with world size {num_processes}: "
-        f"gradient_accumulation_steps {accumulation} -> {resumed} keeps its {total} {unit} per optimizer "
+        f"gradient_accumulation_steps {accumulation} -> {resumed} keeps its {total} samples per optimizer "
         "step (set accelerator.gradient_accumulation_steps after load_state to change the global batch)"
     )
     return GlobalBatch(int(resumed), message)
 
 
-def _fix(total: int, per_micro_step: int, num_processes: int, split_batches: bool, unit: str) -> str:
-    """How to resume with the saved global batch: the numbers of processes that fit it, or a batch size."""
-    if split_batches and unit == "samples":
-        return (
-            f"Resume with a loader batch size that divides {total} (split_batches: it is the micro-step's)."
-        )
-    per_process = max(per_micro_step // num_processes, 1)
-    fitting = [str(n) for n in range(1, total // per_process + 1) if total % (per_process * n) == 0]
-    if unit == "micro-batches":
-        return f"Resume on a number of processes that divides {total}: {' or '.join(fitting)}."
+def _fix(
+    total: int, per_micro_step: int, process_batch: int | None, num_processes: int, split_batches: bool
+) -> str:
+    """How to resume with the saved global batch: the numbers of data-parallel processes that fit it at
+    this per-process batch size, or another batch size."""
+    if split_batches or not process_batch or per_micro_step % process_batch:
+        return f"Resume with a loader batch size whose micro-step divides {total}."
+    fitting = [str(n) for n in range(1, total // process_batch + 1) if total % (process_batch * n) == 0]
+    kind = "processes" if per_micro_step // process_batch == num_processes else "data-parallel processes"
     return (
-        f"Resume on {' or '.join(fitting)} processes ({per_process} samples each per micro-step), or with "
+        f"Resume on {' or '.join(fitting)} {kind} ({process_batch} samples each per micro-step), or with "
         f"a per-process batch size that makes the micro-step a divisor of {total}."
     )
