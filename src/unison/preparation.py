@@ -262,8 +262,10 @@ class PreparationMethods:
                 "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
                 "dispatch_batches unset so that each data-parallel rank reads its own shard."
             )
-        if not self.even_batches:  # a short last round that the layout's collectives cannot run
-            check_loader_rounds_even(data_loader, layout, self.split_batches)
+        # a short last round the layout's collectives cannot run is refused; under DDP, said outside Join
+        unjoined_warning = (
+            None if self.even_batches else check_loader_rounds_even(data_loader, layout, self.split_batches)
+        )
         # Ranks of one tensor-parallel group (or pipeline) read the same batch: shard by data-parallel rank.
         prepared = prepare_data_loader(
             data_loader,
@@ -279,6 +281,7 @@ class PreparationMethods:
             data_seed=self.dataloader_config.data_seed,
             use_seedable_sampler=self.use_seedable_sampler,
         )
+        prepared.unjoined_warning = unjoined_warning
         self._remember(data_loader, prepared)
         self._dataloaders.append(prepared)
         return prepared

@@ -14,12 +14,17 @@ global samples consumed. `load_state_dict` makes the next pass continue there, s
 sampler where there is one. Each loader owns its torch.Generator, reseeded from (seed, epoch) at
 every pass, so creating an iterator never draws from the global RNG (torch draws the worker seed
 from `generator`, else from the global stream, which would make a resumed run's dropout diverge).
+
+A loader that deals its processes unequal numbers of batches (even_batches=False) may carry an
+`unjoined_warning` from prepare(): said once, at the first pass that starts outside torch's Join
+(`joined` is set by join_uneven_inputs), where the processes' collectives would no longer match.
 """
 
 from __future__ import annotations
 
 import inspect
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -32,6 +37,8 @@ from ..state import GradientState
 from .randomness import SeedableRandomSampler, check_rng_types, epoch_seed, synchronize_rng_states
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler
 from .torch_order import PassDraws, PassStates, TorchOrderRandomSampler
+
+logger = logging.getLogger("unison")
 
 _END = object()
 _WORKER_SALT = 0x5851F42D4C957F2D  # worker seeds apart from the shuffle drawn from the same (seed, epoch)
@@ -165,6 +172,8 @@ class PreparedDataLoader(DataLoader):
             shuffle = find_in_chain(self._index_sampler, TorchOrderRandomSampler)
             self._draws = PassDraws(self.generator, user_generator, shuffle)
         self._passes_begun = 0
+        self.unjoined_warning: str | None = None
+        self.joined = False
 
     def _clone(self, **overrides: Any) -> PreparedDataLoader:
         """A loader like this one (same kind, same arguments, same progress) with some arguments changed."""
@@ -357,6 +366,9 @@ class PreparedDataLoader(DataLoader):
         synchronize_rng_states(self.rng_types, self.generator)
         self.end_of_dataloader = False
         self.remainder = -1
+        if self.unjoined_warning is not None and not self.joined:
+            logger.warning(self.unjoined_warning)
+            self.unjoined_warning = None
         self.gradient_state._add_dataloader(self)
         try:
             batches = iter(()) if finished else self._batches(skip)

@@ -190,12 +190,12 @@ class ShortLastRound:
 def short_last_round(loader: Any, num_processes: int, split_batches: bool) -> ShortLastRound | None:
     """The final round of `loader` sharded over `num_processes` without top-up, if it is incomplete.
 
-    None when every round is full, when drop_last drops the incomplete one, or when the loader cannot
-    say ahead (a stream or a batch sampler without a length). It reads only the loader's lengths and
-    batch size, so it gives the same answer on every process, before anything runs; the counts are
-    `rounds_for_process`' (the arithmetic of iter_rounds).
+    None when every round is full, when drop_last drops the incomplete one, for one process, or when
+    the loader cannot say ahead (a stream or a batch sampler without a length). It reads only the
+    loader's lengths and batch size, so it gives the same answer on every process, before anything
+    runs; the counts are `rounds_for_process`' (the arithmetic of iter_rounds).
     """
-    counted = _batches_of(loader)
+    counted = None if num_processes == 1 else _batches_of(loader)  # one process is even with itself
     if counted is None:
         return None
     num_batches, samples, batch_size, drop_last = counted

@@ -27,7 +27,7 @@ from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils.data import DataLoader
 
 from ..data import BatchSamplerShard, DataLoaderDispatcher
-from ..data.loader import find_in_chain
+from ..data.loader import PreparedDataLoader, find_in_chain
 from ..data.sharding import short_last_round
 from .apply import data_parallel_engine
 from .config import ParallelismConfig
@@ -56,7 +56,10 @@ def join_uneven_inputs(
         return
     if not even:
         _check_joinable(accelerator, joinables)
-    with _loaders_even_batches(accelerator._dataloaders, even_batches):
+    with (
+        _loaders_even_batches(accelerator._dataloaders, even_batches),
+        _loaders_joined(accelerator._dataloaders),
+    ):
         with Join(list(joinables), enable=not even, throw_on_early_termination=False):
             yield
 
@@ -73,34 +76,48 @@ def _unshadowed(layout: ParallelismConfig) -> str:
     return "FSDP2's collectives"
 
 
-def check_loader_rounds_even(loader: DataLoader, layout: ParallelismConfig, split_batches: bool) -> None:
-    """Refuse, at prepare(), an even_batches=False loader whose last round the layout cannot run.
+def check_loader_rounds_even(
+    loader: DataLoader, layout: ParallelismConfig, split_batches: bool
+) -> str | None:
+    """Refuse, at prepare(), an even_batches=False loader whose last round the layout cannot run;
+    under DDP, return what to say if it is iterated outside join_uneven_inputs (None: nothing).
 
     Without top-up, a length that does not divide into full rounds leaves some data-parallel ranks a
-    batch fewer (or, with split_batches, no slice of the last batch). Outside plain DDP (where
-    join_uneven_inputs shadows the ranks that ran out) their collectives would not match: the others
-    wait until the timeout, or gloo aborts on a size mismatch, after the epoch's work. A pipeline's
-    replicas also need last batches of one size (each runs its short batch in a schedule of its own,
-    cut into micro-batches by its size). The verdict is the loader's arithmetic alone, the same on every
-    process, so every process raises before any collective.
+    batch fewer (or, with split_batches, no slice of the last batch). Outside plain DDP their
+    collectives would not match: the others wait until the timeout, or gloo aborts on a size mismatch,
+    after the epoch's work. A pipeline's replicas also need last batches of one size (each runs its
+    short batch in a schedule of its own, cut into micro-batches by its size). The verdict is the
+    loader's arithmetic alone, the same on every process, so every process raises before any
+    collective. DDP can run such a loader inside join_uneven_inputs (Accelerate allows it, and prepare()
+    cannot see the loop), so there the loader warns at a pass begun outside Join instead: it would
+    hang in the others' last backward until the timeout (300 s by default) with no error before.
     """
-    if layout.dp_size == 1 or joins_uneven_inputs(layout):
-        return
+    if layout.dp_size == 1:
+        return None
     short = short_last_round(loader, layout.dp_size, split_batches)
     pipeline = (layout.pp_size or 1) > 1
     if short is None or not (short.unequal_counts or pipeline):
-        return
+        return None
     if short.samples is None:
         what = f"the loader's {short.num_batches} batches (of sizes it does not say) end on a short round"
         fix = f"a number of batches that is a multiple of {layout.dp_size}"
     else:
         what = (
-            f"the loader's {short.samples} samples in batches of {short.batch_size} end on a round of "
-            f"{short.last_round} samples, not {short.round_size}"
+            f"the loader's {_samples(short.samples)} in batches of {short.batch_size} end on a round of "
+            f"{_samples(short.last_round)}, not {short.round_size}"
         )
         fix = f"a dataset length that is a multiple of {short.round_size}"
+    fewer = [rank for rank, count in enumerate(short.batches) if count < max(short.batches)]
+    if joins_uneven_inputs(layout):
+        return (
+            f"even_batches=False under {layout.describe()} (DDP): {what}, so data-parallel ranks {fewer} get "
+            f"{min(short.batches)} batches and the others {max(short.batches)}, and this pass began outside "
+            "accelerator.join_uneven_inputs([model]): the others' last backward (or any collective the loop "
+            "calls) will wait for ranks that never come, until the timeout, with no error before. Iterate "
+            "inside `with accelerator.join_uneven_inputs([model]):`, or keep even_batches=True, or give the "
+            f"DataLoader drop_last=True, or {fix}."
+        )
     if short.unequal_counts:
-        fewer = [rank for rank, count in enumerate(short.batches) if count < max(short.batches)]
         consequence = (
             f"data-parallel ranks {fewer} get {min(short.batches)} batches and the others "
             f"{max(short.batches)}: the others' last step would wait in {_unshadowed(layout)} for ranks "
@@ -117,6 +134,10 @@ def check_loader_rounds_even(loader: DataLoader, layout: ParallelismConfig, spli
         "even_batches=True (the default: the last round is topped up from the epoch's start, and "
         f"gather_for_metrics drops the top-up), or give the DataLoader drop_last=True, or {fix}."
     )
+
+
+def _samples(count: int) -> str:
+    return f"{count} sample{'' if count == 1 else 's'}"
 
 
 def _check_joinable(accelerator: Accelerator, joinables: Sequence[Joinable]) -> None:
@@ -169,3 +190,16 @@ def _loaders_even_batches(loaders: Sequence[DataLoader], even_batches: bool | No
     finally:
         for holder, value in holders:
             holder.even_batches = value
+
+
+@contextlib.contextmanager
+def _loaders_joined(loaders: Sequence[PreparedDataLoader]) -> Iterator[None]:
+    """Mark the prepared loaders as iterated inside Join (they then say no unjoined_warning)."""
+    before = [loader.joined for loader in loaders]
+    for loader in loaders:
+        loader.joined = True
+    try:
+        yield
+    finally:
+        for loader, joined in zip(loaders, before):
+            loader.joined = joined
