@@ -74,12 +74,16 @@ def test_one_process_runs_the_models_own_init_and_keeps_ties_and_the_optimizer()
     assert tied[1].weight is tied[0].weight and torch.isfinite(tied[0].weight).all()
 
 
-def plain_model() -> torch.nn.Module:
-    """Modules whose own reset_parameters() is the whole init, and a tied weight."""
+def plain_model(keep_first: bool = True) -> torch.nn.Module:
+    """Modules whose own reset_parameters() is the whole init, and a tied weight: the first module's
+    (kept_first), or the last one's as GPT ties them (the first tensor built is then dropped)."""
     model = torch.nn.Sequential(
         torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 10)
     )
-    model[3].weight = model[0].weight
+    if keep_first:
+        model[3].weight = model[0].weight
+    else:
+        model[0].weight = model[3].weight
     return model
 
 
@@ -102,15 +106,18 @@ def test_the_replayed_init_is_the_normal_builds_and_leaves_the_generator_where_i
 
 def test_models_built_one_after_the_other_in_one_block_start_where_the_previous_init_ended(caplog):
     accelerator = Accelerator(cpu=True)
-    torch.manual_seed(5)
-    expected = [plain_model().state_dict() for _ in range(2)]
-    torch.manual_seed(5)
-    with init_empty_weights():  # no seed between them: each starts where the previous one's init ended
-        models = [plain_model() for _ in range(2)]
-    first, second = accelerator.prepare(models[0]), accelerator.prepare(models[1])
-    for model, reference in ((first, expected[0]), (second, expected[1])):
-        for name, tensor in model.state_dict().items():
-            assert torch.equal(tensor, reference[name]), name
+    for keep_first in (True, False):
+        torch.manual_seed(5)
+        expected = [plain_model(keep_first).state_dict() for _ in range(2)]
+        torch.manual_seed(5)
+        with init_empty_weights():  # no seed between: each starts where the previous one's init ended
+            models = [plain_model(keep_first) for _ in range(2)]
+        with caplog.at_level(logging.WARNING, logger="unison"):
+            first, second = accelerator.prepare(models[0]), accelerator.prepare(models[1])
+        assert not caplog.text, caplog.text
+        for model, reference in ((first, expected[0]), (second, expected[1])):
+            for name, tensor in model.state_dict().items():
+                assert torch.equal(tensor, reference[name]), (keep_first, name)
     torch.manual_seed(5)
     with init_empty_weights():
         models = [plain_model() for _ in range(2)]

@@ -67,26 +67,27 @@ class BuildNotes:
         self.state: torch.Tensor | None = None
         self.since = 0  # the registration that first saw `state`
         self.ends: dict[int, torch.Tensor] = {}  # registration -> the state a normal build reaches there
-        self.last: dict[int, int] = {}  # id() of a module -> the last new tensor registered on it
+        # id() of a module -> its first new tensor's (registration, generator state, `since`), and its
+        # last new tensor's registration (a tensor since replaced by a tie counts: it was built)
+        self.first: dict[int, tuple[int, torch.Tensor, int]] = {}
+        self.last: dict[int, int] = {}
 
     def note(self, module: nn.Module, name: str, tensor: torch.Tensor | None) -> None:
         if tensor is None or not tensor.is_meta or hasattr(tensor, BUILT_AT):
             return  # a tie registers a tensor again: its first registration made it
         order = next(_registrations)
-        self.last[id(module)] = order
         now = torch.get_rng_state()
         if self.state is None or not torch.equal(self.state, now):
             self.state, self.since = now, order
-        setattr(tensor, BUILT_AT, _Built(order, self.state, id(module), self.since, self))
+        self.first.setdefault(id(module), (order, self.state, self.since))
+        self.last[id(module)] = order
+        setattr(tensor, BUILT_AT, _Built(id(module), self))
 
 
 @dataclass(frozen=True)
 class _Built:
-    order: int  # registrations in init_empty_weights() blocks so far
-    state: torch.Tensor  # the CPU generator's state then
     creator: int  # id() of the module the tensor was first registered on
-    since: int  # the first registration that saw this state
-    notes: BuildNotes
+    notes: BuildNotes  # of the block that built it
 
 
 @dataclass
@@ -120,7 +121,7 @@ def replay_of(model: nn.Module) -> Replay | None:
         template = copy.deepcopy(model)
     except Exception:
         return None
-    built: list[_Built] = []
+    notes: BuildNotes | None = None
     borrowed: set[str] = set()
     for prefix, module in model.named_modules(remove_duplicate=False):
         own = itertools.chain(
@@ -130,25 +131,27 @@ def replay_of(model: nn.Module) -> Replay | None:
         for name, tensor in own:
             noted = getattr(tensor, BUILT_AT, None)
             if isinstance(noted, _Built):
-                built.append(noted)
+                notes = notes or noted.notes
                 if noted.creator != id(module):
                     borrowed.add(f"{prefix}.{name}" if prefix else name)
-    if not built:
+    modules = [id(m) for m in model.modules()]
+    firsts = [notes.first[m] for m in modules if m in notes.first] if notes else []
+    if not firsts:
         return Replay(template, None, borrowed)
-    first, last = min(built, key=lambda b: b.order), max(built, key=lambda b: b.order)
-    ends = (first.notes.ends, last.order + 1)
-    constructed = _constructed(model, first.notes.last)
-    if first.order == first.since:
-        return Replay(template, first.state, borrowed, constructed, ends)
-    if first.order in first.notes.ends:  # built right after a model already replayed: where it ended
-        return Replay(template, first.notes.ends[first.order], borrowed, constructed, ends)
+    order, state, since = min(firsts, key=lambda first: first[0])
+    ends = (notes.ends, max(notes.last[m] for m in modules if m in notes.last) + 1)
+    constructed = _constructed(model, notes.last)
+    if order == since:
+        return Replay(template, state, borrowed, constructed, ends)
+    if order in notes.ends:  # built right after a model already replayed: where it ended
+        return Replay(template, notes.ends[order], borrowed, constructed, ends)
     caveat = (
         f"{type(model).__name__} was built in an init_empty_weights() block after other tensors, from the "
         "same generator state, and those were not prepared before it: its init starts from that state, "
         "where a normal build would have started after their draws. Seed before building each model, "
         "or prepare the models in the order they were built"
     )
-    return Replay(template, first.state, borrowed, constructed, ends, caveat)
+    return Replay(template, state, borrowed, constructed, ends, caveat)
 
 
 def _constructed(model: nn.Module, last: dict[int, int]) -> dict[str, int]:
