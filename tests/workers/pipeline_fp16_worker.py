@@ -117,8 +117,14 @@ def reference(name: str, skipped: list[bool] | None = None) -> dict:
     return result
 
 
+def local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a sharded tensor (comparing DTensors would be a collective), or the tensor."""
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
 def local_overflow(parameters: list[torch.Tensor]) -> bool:
-    return any(not torch.isfinite(p.grad).all() for p in parameters if p.grad is not None)
+    """Whether this rank's own gradients hold an inf or a NaN, before the processes agree."""
+    return any(not torch.isfinite(local(p.grad)).all() for p in parameters if p.grad is not None)
 
 
 def run(name: str) -> dict:
@@ -143,11 +149,11 @@ def run(name: str) -> dict:
                 accelerator.unscale_gradients()
                 overflow = local_overflow(parameters)
                 accelerator.clip_grad_norm_(model.parameters(), CLIP)
-                before = [p.detach().clone() for p in parameters]
+                before = [local(p).detach().clone() for p in parameters]
             optimizer.step()
             scheduler.step()
             if accelerator.sync_gradients:
-                changed = any(not torch.equal(a, p) for a, p in zip(before, parameters))
+                changed = any(not torch.equal(a, local(p)) for a, p in zip(before, parameters))
                 skipped = accelerator.optimizer_step_was_skipped
                 windows.append([overflow, skipped, accelerator.scaler.get_scale(), changed])
             optimizer.zero_grad()
