@@ -33,7 +33,7 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset
 
 from .. import ops
-from ..state import GradientState
+from ..state import GradientState, PartialState
 from .randomness import SeedableRandomSampler, check_rng_types, epoch_seed, synchronize_rng_states
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler
 from .torch_order import PassDraws, PassStates, TorchOrderRandomSampler
@@ -367,7 +367,8 @@ class PreparedDataLoader(DataLoader):
         self.end_of_dataloader = False
         self.remainder = -1
         if self.unjoined_warning is not None and not self.joined:
-            logger.warning(self.unjoined_warning)
+            if PartialState().is_main_process:  # every process would say the same
+                logger.warning(self.unjoined_warning)
             self.unjoined_warning = None
         self.gradient_state._add_dataloader(self)
         try:
