@@ -14,6 +14,11 @@ all-gathers and reduce-scatters (ZeRO-2/3, HSDP, data parallelism beside tensor 
 parallelism) have no join hook, and ZeRO-1's optimizer step broadcasts shards every window. And it
 cannot shadow what the loop adds: a window closed by the loader's end while the others keep
 accumulating, or any collective the script calls (gather, reduce, backward(num_items=...)).
+
+So prepare() asks here about every even_batches=False loader (`check_loader_rounds_even`): one whose
+last round leaves a process a batch fewer is refused under the layouts Join cannot shadow, and under
+DDP it carries a warning, said if a pass begins outside join_uneven_inputs (which marks the
+Accelerator's loaders as joined while it lasts).
 """
 
 from __future__ import annotations
