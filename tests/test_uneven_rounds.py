@@ -141,6 +141,7 @@ def test_prepare_refuses_on_every_rank_before_any_collective(records):
     assert records[0]["refused"] == records[1]["refused"]
     for layout, message in records[0]["refused"].items():
         assert "18 samples in batches of 4 end on a round of 2 samples, not 8" in message, (layout, message)
+    assert records[0]["wrapped_before_refusal"] == {"zero3": 0, "zero1": 0, "zero2": 0}  # the loader first
     assert [record["after_refusals"] for record in records] == [1.0, 1.0]  # 0 + 1: nothing left unmatched
 
 

@@ -80,6 +80,10 @@ class PreparationMethods:
             )
         for obj in objects:
             self._check_preparable(obj)
+        if self.parallelism is not None:  # the layout is known: refuse a loader before any model is wrapped
+            for obj in objects:
+                if isinstance(obj, DataLoader):
+                    self._check_loader_rounds(obj)
         result: list[Any] = list(objects)
         for kind in (torch.nn.Module, torch.optim.Optimizer, _SCHEDULER_TYPES, DataLoader):
             for i, obj in enumerate(objects):
@@ -247,6 +251,13 @@ class PreparationMethods:
         self._schedulers.append(prepared)
         return prepared
 
+    def _check_loader_rounds(self, data_loader: DataLoader) -> str | None:
+        """even_batches=False: a short last round the layout's collectives cannot run is refused; under
+        DDP, the warning for a pass begun outside join_uneven_inputs (parallel/join.py)."""
+        if self.even_batches:
+            return None
+        return check_loader_rounds_even(data_loader, self.parallelism, self.split_batches)
+
     def prepare_data_loader(
         self, data_loader: DataLoader, device_placement: bool | None = None
     ) -> DataLoader:
@@ -262,10 +273,7 @@ class PreparationMethods:
                 "scatter batches to every process, but tensor/pipeline ranks must share one. Leave "
                 "dispatch_batches unset so that each data-parallel rank reads its own shard."
             )
-        # a short last round the layout's collectives cannot run is refused; under DDP, said outside Join
-        unjoined_warning = (
-            None if self.even_batches else check_loader_rounds_even(data_loader, layout, self.split_batches)
-        )
+        unjoined_warning = self._check_loader_rounds(data_loader)
         # Ranks of one tensor-parallel group (or pipeline) read the same batch: shard by data-parallel rank.
         prepared = prepare_data_loader(
             data_loader,

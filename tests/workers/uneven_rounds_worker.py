@@ -3,9 +3,9 @@ with a loader whose last round is short (drop_last=False), under layouts that to
 cannot shadow, each against what one process computes.
 
 Usage: uneven_rounds_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json:
-- "refused": layout -> the ValueError prepare() raised on this rank for 18 samples in batches of 4
-  (rank 0 gets 3 batches, rank 1 2), "" if it raised none; the loader is prepared alone after the
-  model, so the refusal comes before any collective of a step;
+- "refused": layout -> the ValueError prepare(model, optimizer, loader) raised on this rank for 18
+  samples in batches of 4 (rank 0 gets 3 batches, rank 1 2), "" if it raised none;
+- "wrapped_before_refusal": layout -> models prepared by then (0: refused before any collective);
 - "after_refusals": an all_reduce of the rank right after them: the refusals left no collective behind;
 - "zero3_short_batch": ZeRO-3 over 14 samples (2 batches each, rank 1's last one of 2 rows) is allowed:
   batches per rank and the parameters' distance to the one-process reference after the epoch;
@@ -62,16 +62,20 @@ logging.getLogger("unison").addHandler(captured)
 record: dict = {}
 
 # -- refused: the data-parallel engine is not plain DDP -----------------------------------------------
-refused = {}
+refused, wrapped = {}, {}
 for layout in ("zero3", "zero1", "zero2"):
     accelerator = Accelerator(cpu=True, parallelism=layout, dataloader_config=UNEVEN)
-    accelerator.prepare(make_model())
+    model = make_model()
     try:
-        accelerator.prepare(DataLoader(make_data(18), batch_size=4))
+        accelerator.prepare(
+            model, torch.optim.SGD(model.parameters(), lr=0.1), DataLoader(make_data(18), batch_size=4)
+        )
         refused[layout] = ""
     except ValueError as error:
         refused[layout] = str(error)
+    wrapped[layout] = len(accelerator._models)  # models wrapped (collectives issued) before the refusal
 record["refused"] = refused
+record["wrapped_before_refusal"] = wrapped
 rank = torch.tensor([float(dist.get_rank())])
 dist.all_reduce(rank)
 record["after_refusals"] = rank.item()
