@@ -21,6 +21,7 @@ from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from unison import (
     Accelerator,
+    DataLoaderConfiguration,
     DistributedDataParallelKwargs,
     GradientAccumulationPlugin,
     InitProcessGroupKwargs,
@@ -97,6 +98,11 @@ class Stream(IterableDataset):
 @case
 def mixed_precision():
     Accelerator(mixed_precision="fp8")
+
+
+@case
+def timeout_not_seconds():
+    Accelerator(timeout="10")
 
 
 @case
@@ -240,6 +246,13 @@ def auto_loader_first():
 def split_batches_indivisible():
     loader = DataLoader(TensorDataset(torch.ones(12, 2)), batch_size=3)
     Accelerator(split_batches=True).prepare(loader)
+
+
+@case
+def uneven_rounds_sharded():
+    even = DataLoaderConfiguration(even_batches=False)
+    loader = DataLoader(TensorDataset(torch.arange(18.0)), batch_size=4)  # 2 processes: 3 and 2 batches
+    Accelerator(parallelism="zero3", dataloader_config=even).prepare(two_layers(), loader)
 
 
 @case
@@ -414,6 +427,18 @@ def load_other_accumulation():
     # half the micro-batch: accumulation 4 keeps the saved global batch (checkpoint/global_batch.py)
     resumed.prepare(DataLoader(TensorDataset(torch.arange(32.0)), batch_size=1))
     resumed.load_state(out_dir / "mid_window")
+
+
+@case
+def load_other_global_batch():
+    accelerator = Accelerator()
+    prepared(accelerator)
+    accelerator.prepare(DataLoader(TensorDataset(torch.arange(48.0)), batch_size=3))
+    accelerator.save_state(out_dir / "steps_of_6")  # 2 processes x 3 samples per optimizer step
+    resumed = Accelerator()
+    prepared(resumed)
+    resumed.prepare(DataLoader(TensorDataset(torch.arange(48.0)), batch_size=4))  # 8 per micro-step
+    resumed.load_state(out_dir / "steps_of_6")
 
 
 @case

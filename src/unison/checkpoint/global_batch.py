@@ -121,6 +121,8 @@ def _fix(
     if split_batches or not process_batch or per_micro_step % process_batch:
         return f"Resume with a loader batch size whose micro-step divides {total}."
     fitting = [str(n) for n in range(1, total // process_batch + 1) if total % (process_batch * n) == 0]
+    if not fitting:  # the per-process batch itself does not divide the global batch
+        return f"Resume with a per-process batch size that makes the micro-step a divisor of {total}."
     kind = "processes" if per_micro_step // process_batch == num_processes else "data-parallel processes"
     return (
         f"Resume on {' or '.join(fitting)} {kind} ({process_batch} samples each per micro-step), or with "
