@@ -328,24 +328,27 @@ def _logged_losses(result) -> list[float]:
 
 def test_train_py_logs_the_same_losses_under_every_layout():
     """The main job under DDP, ZeRO-3, tensor and pipeline parallel on 2 processes: one global batch of 8
-    sequences per step everywhere (4 per process where both read different data), the same losses."""
+    sequences per step everywhere (4 per process where both read different data), the same losses, and
+    the same validation loss over the same 16 validation windows."""
     common = (
         *("--max-steps", 4, "--block-size", 16, "--n-layer", 2, "--n-head", 2, "--n-embd", 32),
-        *("--log-interval", 1, "--eval-interval", 4, "--eval-batches", 1, "--sample-chars", 0),
+        *("--log-interval", 1, "--eval-interval", 4, "--sample-chars", 0),
         *("--warmup-steps", 2, "--save-every", 0),
     )
-    losses = {}
+    losses, val_losses = {}, {}
     for layout, batch in (("ddp", 4), ("zero3", 4), ("tp_size=2", 8), ("pp_size=2,pp_microbatches=2", 8)):
         result = launch_ok(
             EXAMPLE / "train.py",
             2,
             *common,
-            "--batch-size",
-            batch,
+            *("--batch-size", batch, "--eval-batches", 16 // batch),
             launch_args=("--parallelism", layout),
             timeout=180,
         )
         losses[layout] = _logged_losses(result)
         assert len(losses[layout]) == 4, result.stdout
+        val_losses[layout] = [float(v) for v in re.findall(r"\| val loss (\d+\.\d+)", result.stdout)]
+        assert len(val_losses[layout]) == 1, result.stdout
     for layout, logged in losses.items():
         assert logged == pytest.approx(losses["ddp"], abs=2e-4), (layout, logged, losses["ddp"])
+        assert val_losses[layout] == pytest.approx(val_losses["ddp"], abs=2e-4), (layout, val_losses)

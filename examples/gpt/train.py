@@ -83,7 +83,13 @@ def parse_args() -> argparse.Namespace:
         default=100,
         help="print and log the validation loss every N steps and at the end",
     )
-    arg("--eval-batches", type=int, default=8, help="validation batches per process for each evaluation")
+    arg(
+        "--eval-batches",
+        type=int,
+        default=16,
+        help="validation batches of --batch-size windows for each evaluation, shared by the processes: "
+        "the same windows, and so the same validation loss, on any number of processes",
+    )
     arg("--sample-chars", type=int, default=300, help="characters of text to generate at the end; 0: none")
     arg(
         "--peak-flops",
@@ -211,10 +217,9 @@ def main() -> None:
     )
 
     model, optimizer, train_dl, scheduler = accelerator.prepare(model, optimizer, train_dl, scheduler)
-    # evaluate on a fixed slice of the validation windows: eval_batches batches per data-parallel
-    # process (the layout, and so their number, is known once the model is prepared: --parallelism auto)
-    dp_size = accelerator.parallelism.dp_size
-    val_ds = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size * dp_size)))
+    # evaluate on a fixed slice of the validation windows, whatever the number of processes: the same
+    # validation loss for the same weights on 1 process or 8 (each reads its share of the slice)
+    val_ds = Subset(val_ds, range(min(len(val_ds), args.eval_batches * args.batch_size)))
     val_dl = accelerator.prepare(DataLoader(val_ds, batch_size=args.batch_size))
     # --resume: weights, optimizer, schedule, RNG and the data position inside the interrupted epoch
     if args.resume:
@@ -233,6 +238,7 @@ def main() -> None:
     accelerator.init_trackers(args.run_name, config=vars(args))
 
     accum = accelerator.gradient_accumulation_steps
+    dp_size = accelerator.parallelism.dp_size  # processes that read different data
     steps_per_epoch = math.ceil(len(train_dl) / accum)  # len(train_dl): this process's batches
     # model FLOPs utilisation where the device's peak is known (a data-centre GPU, or --peak-flops):
     # nanoGPT's 6N + 12·L·d·T FLOPs per token against every process's device together
