@@ -230,6 +230,8 @@ def test_meta_built_models_train_like_normal_ones_and_hold_their_shard_only(tmp_
         for layout, run in layouts.items():
             assert run["keys_match"] and run["init"] == 0.0, (kind, layout, run)
             assert run["trained"] < 1e-6, (kind, layout, run)
+            # under TP the meta-built embedding's gradient was full size (Replicate): the same numbers
+            assert run["grads_not_in_parameter_layout"] == [], (kind, layout, run)
     errors = report["errors"]
     assert all("some parameters on the meta device" in found["partial"] for found in errors), errors
     assert all("real weights on process(es) [1]" in found["real_off_zero"] for found in errors), errors
@@ -239,9 +241,15 @@ def test_meta_built_models_train_like_normal_ones_and_hold_their_shard_only(tmp_
 def test_the_models_own_init_is_the_normal_builds_at_four_processes(tmp_path):
     out = tmp_path / "report.json"
     launch_ok(WORKERS / "meta_worker.py", 4, out, "--own-init-only")
-    report = json.loads(out.read_text())["own_init"]
-    assert sorted(report) == ["gpt", "plain"] and all(len(runs) == 3 for runs in report.values()), report
-    for kind, layouts in report.items():  # zero3 over 4, tp 2 x dp 2, pp 2 x dp 2
+    full = json.loads(out.read_text())
+    report = full["own_init"]
+    assert sorted(report) == ["gpt", "plain"] and all(len(runs) == 4 for runs in report.values()), report
+    for kind, layouts in report.items():  # zero3 over 4, tp 2 x dp 2, pp 2 x dp 2, pp 2 x tp 2
         for layout, run in layouts.items():
             assert run["keys_match"] and run["init"] == 0.0, (kind, layout, run)
             assert run["trained"] < 1e-6, (kind, layout, run)
+            # materialising must keep TP's gradient layout: a meta-built embedding's gradient was full
+            # size (Replicate), and under PP x TP the tied copies' all-reduce then mismatched in size
+            assert run["grads_not_in_parameter_layout"] == [], (kind, layout, run)
+    from_process_0 = full["from_process_0"]  # pp 2 x tp 2, the weights broadcast from process 0
+    assert from_process_0["keys_match"] and from_process_0["max_abs_diff"] < 1e-6, from_process_0

@@ -1,6 +1,7 @@
 """Launched worker (2 processes): models built on the meta device (unison.init_empty_weights) under
 ZeRO-3, TP 2 and PP 2 (and DDP, which materialises it whole), against the same model built normally;
-and each rank's peak memory.
+and each rank's peak memory. With --own-init-only (4 processes): the model's own init under those
+three and PP 2 x TP 2, and process 0's weights under PP 2 x TP 2.
 
 Fidelity: for each layout, process 0 builds the tiny GPT with real weights (seeded) and process 1 builds
 it inside init_empty_weights(); prepare() broadcasts process 0's weights into the shards. Both train
@@ -41,6 +42,7 @@ GLOBAL_BATCH = 4
 BLOCK = 16
 SEED = 1234
 LAYOUTS = ("zero3", "tp_size=2", "pp_size=2", "ddp")  # ddp: materialised whole, then wrapped
+PP_TP = "pp_size=2,tp_size=2"  # 4 processes only: the tied wte / lm_head on both ends, vocabulary-sharded
 WIDTH = 1024
 MEMORY_LAYERS = 8  # 2 x 8 Linear(1024, 1024) with bias: 67 MB of fp32
 
@@ -166,10 +168,16 @@ def build(real: bool) -> torch.nn.Module:
 
 
 def train(
-    layout: str, real: bool, model: torch.nn.Module | None = None, initial: dict | None = None
+    layout: str,
+    real: bool,
+    model: torch.nn.Module | None = None,
+    initial: dict | None = None,
+    grad_layouts: list | None = None,
 ) -> tuple[dict[str, torch.Tensor], float]:
     """STEPS steps of the model built by `build(real)` (or `model`) under `layout`: the final full
-    state dict and loss; `initial`, when given, receives the full state dict right after prepare()."""
+    state dict and loss; `initial`, when given, receives the full state dict right after prepare();
+    `grad_layouts`, the names of DTensor parameters whose gradient, after a step's backward, is not
+    in the parameter's placements (a vocabulary-sharded table's gradient kept full size)."""
     accelerator = Accelerator(cpu=True, parallelism=layout)
     model = build(real) if model is None else model
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
@@ -185,6 +193,12 @@ def train(
         else:
             loss = mean_loss(model(inputs), targets)
             accelerator.backward(loss)
+        if grad_layouts is not None:
+            grad_layouts.extend(
+                name
+                for name, p in model.named_parameters()
+                if hasattr(p.grad, "placements") and p.grad.placements != p.placements
+            )
         optimizer.step()
         optimizer.zero_grad()
     return accelerator.get_state_dict(model), loss.item()
@@ -219,9 +233,13 @@ def own_init(layouts: tuple[str, ...]) -> dict[str, dict[str, dict[str, float]]]
                 model = model_class(tiny_config())
             torch.rand(7)  # the generator moves on before prepare(): the init still starts where it was
             initial: dict = {}
-            trained, _ = train(layout, real=False, model=model, initial=initial)
+            mismatched: list = []
+            trained, _ = train(layout, real=False, model=model, initial=initial, grad_layouts=mismatched)
+            everyone: list = [None] * dist.get_world_size()
+            dist.all_gather_object(everyone, sorted(set(mismatched)))
             if dist.get_rank() == 0:
                 found.setdefault(kind, {})[layout] = {
+                    "grads_not_in_parameter_layout": sorted({n for names in everyone for n in names}),
                     "init": max((initial[k] - expected_init[k]).abs().max().item() for k in expected_init),
                     "trained": max(
                         (trained[k] - expected_trained[k]).abs().max().item() for k in expected_trained
@@ -283,9 +301,16 @@ def main() -> None:
     state = PartialState(cpu=True)
     if "--own-init-only" in sys.argv:
         start = time.perf_counter()
-        report = {"own_init": own_init(LAYOUTS[:3])}
+        report = {"own_init": own_init((*LAYOUTS[:3], PP_TP))}
+        # the other source of values: process 0's weights, broadcast into the pipeline x TP shards
+        full, _ = train(PP_TP, real=state.process_index == 0)
         report["seconds"] = time.perf_counter() - start
-        if state.is_main_process:
+        if state.is_main_process:  # the full state dict is gathered on process 0
+            expected = reference()
+            report["from_process_0"] = {
+                "max_abs_diff": max((full[k] - expected[k]).abs().max().item() for k in expected),
+                "keys_match": sorted(full) == sorted(expected),
+            }
             out.write_text(json.dumps(report, indent=1))
         return
     start = time.perf_counter()

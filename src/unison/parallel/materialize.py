@@ -165,6 +165,10 @@ class DeferredModel:
             self._load(module)
         else:
             self._init(module)
+        if self.tp_mesh is not None:  # hooks registered on meta went with the meta storage (tensor.py)
+            from .tensor import keep_gradients_in_parameter_layout
+
+            keep_gradients_in_parameter_layout(module)
         self.weights = {}
         self.replay = None
 

@@ -450,12 +450,18 @@ def _broadcast_replicated(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         dist.broadcast(tensor.data, src=source, group=group)
 
 
-def _keep_gradients_in_parameter_layout(model: nn.Module) -> None:
+def keep_gradients_in_parameter_layout(model: nn.Module) -> None:
     """Store each DTensor parameter's gradient in the parameter's own placements.
 
     DTensor's embedding backward returns a Replicate gradient for a vocabulary-sharded (Shard(0))
     table, which would keep a full-size gradient, and a full-size optimizer state built from it, on
-    every rank. Replicate -> Shard is a local slice, so the redistribution costs no communication.
+    every rank (and under pipeline parallelism, a tied copy's gradient of another size than the other
+    stage's). Replicate -> Shard is a local slice, so the redistribution costs no communication.
+
+    Parameters on the meta device are skipped: materialising one (`to_empty`) gives it new storage,
+    and autograd's hook goes with the old one, while its record on the parameter stays and keeps a
+    later registration from taking effect. A model sharded on meta calls this after materialising
+    (unison.parallel.materialize).
     """
 
     def hook(param: torch.Tensor) -> None:
@@ -463,7 +469,7 @@ def _keep_gradients_in_parameter_layout(model: nn.Module) -> None:
             param.grad = param.grad.redistribute(param.device_mesh, param.placements)
 
     for param in {id(p): p for p in model.parameters()}.values():
-        if isinstance(param, DTensor) and param.requires_grad:
+        if isinstance(param, DTensor) and param.requires_grad and not param.is_meta:
             param.register_post_accumulate_grad_hook(hook)
 
 
@@ -533,7 +539,7 @@ def apply_tensor_parallel(
     parallelize_module(model, tp_mesh, plan)
     _retie(model, tied)
     _broadcast_replicated(model, tp_mesh)
-    _keep_gradients_in_parameter_layout(model)
+    keep_gradients_in_parameter_layout(model)
     logger.info(
         "tensor parallel: %d plan entries over tp=%d (sequence_parallel=%s, loss_parallel=%s)",
         len(plan),
