@@ -59,3 +59,9 @@ def test_the_all_gathers_stay_about_halved(report, depth):
         assert 0.5 < ratio <= (0.53 if depth == 2 else 0.506), (depth, precision, ratio)
     reduced = {report[f"{depth}/zero3/{precision}"]["bytes"]["reduce_scatter"] for precision in DTYPES}
     assert len(reduced) == 1  # gradients reduced in fp32 in all three
+
+
+def test_a_block_that_reads_its_norms_weights_itself_trains_as_under_ddp(report):
+    """The norms' fp32 unit is gathered when the model's forward starts, not only when a norm's forward
+    runs: a fused add-and-norm kernel reading `norm.weight` would otherwise meet a sharded DTensor."""
+    assert report["fused_norms/zero3/bf16"]["vs_ddp"] == 0

@@ -6,8 +6,10 @@ gradients reduced once per window, backward) under DDP, ZeRO-2 and ZeRO-3 in bf1
 in fp16 (with the gradient scaler), and under ZeRO-3 in fp32 (for the all-gather bytes). Each run's
 consolidated parameters are compared with one process of plain torch under autocast (computed here, on
 every rank) and with the DDP run of the same precision; the dtypes that enter and leave the blocks (the
-residual stream) and the bytes each collective sends are recorded. Process 0 writes a JSON report to
-argv[1]; argv[2:] are the depths.
+residual stream) and the bytes each collective sends are recorded. Last, a model whose blocks read their
+norm's parameters themselves (as a fused add-and-norm kernel does, never calling the norm) trains and
+evaluates under DDP and ZeRO-3 in bf16. Process 0 writes a JSON report to argv[1]; argv[2:] are the
+depths.
 
 Why no clipping, and sync_each_batch=False: both make FSDP2 add the same fp32 numbers in another order
 than DDP (the sharded total norm; reduce-scatters per micro-batch summed afterwards), and in half
@@ -92,6 +94,36 @@ def train(depth: int, layout: str, precision: str) -> tuple[dict[str, torch.Tens
     return accelerator.get_state_dict(model), dict(counted.sent), sorted(stream)
 
 
+class FusedNormBlock(torch.nn.Module):
+    """x + fc(layer_norm(x)), the norm's weight and bias read here: its module's forward never runs."""
+
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.fc = torch.nn.Linear(width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = torch.nn.functional.layer_norm(x, x.shape[-1:], self.norm.weight, self.norm.bias)
+        return x + self.fc(normed)
+
+
+def train_fused_norms(layout: str) -> dict[str, torch.Tensor]:
+    """3 steps of 3 FusedNormBlocks and a head, then a forward in eval mode without gradients."""
+    AcceleratorState._reset_state()
+    accelerator = Accelerator(cpu=True, parallelism=layout, mixed_precision="bf16")
+    torch.manual_seed(SEED)
+    model = torch.nn.Sequential(*[FusedNormBlock(16) for _ in range(3)], torch.nn.Linear(16, 1))
+    model, optimizer = accelerator.prepare(model, make_optimizer(model.parameters()))
+    inputs = torch.randn(4, 16, generator=torch.Generator().manual_seed(accelerator.process_index))
+    for _ in range(3):
+        accelerator.backward(model(inputs).square().mean())
+        optimizer.step()
+        optimizer.zero_grad()
+    with torch.no_grad():
+        model.eval()(inputs)
+    return accelerator.get_state_dict(model)
+
+
 def distance(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     return max((state[key].float() - expected[key]).abs().max().item() for key in expected)
 
@@ -114,7 +146,9 @@ def main() -> None:
                     "stream": stream,
                     "dtypes": sorted({str(t.dtype) for t in parameters.values()}),
                 }
+    fused = {layout: train_fused_norms(layout) for layout in ("ddp", "zero3")}
     if state.is_main_process:
+        report["fused_norms/zero3/bf16"] = {"vs_ddp": distance(fused["zero3"], fused["ddp"])}
         out.write_text(json.dumps(report, indent=1))
 
 

@@ -15,9 +15,9 @@ So the parameters are sorted by what autocast does with them (`computes_in_half`
 - those of matmul-type modules travel in the compute dtype, which halves their all-gathers (the bulk of
   a transformer: its blocks' projections); each block stays one unit, gathered and resharded as before;
 - the modules whose parameters are vectors and stay fp32 (every block's norms, the final norm) form one
-  fp32 unit for the whole model, gathered once per step and kept until backward is done: O(width) bytes
-  per block, so no extra collective per block (one per block cost 11-19% of a CPU step,
-  benchmarks/sharded_precision.py);
+  fp32 unit for the whole model, gathered when the model's forward starts and kept until backward is
+  done: O(width) bytes per block, and one collective per step instead of one per block (a unit of norms
+  in each block cost 7-16% more CPU time per step, benchmarks/sharded_precision.py);
 - any other fp32 parameter (embeddings, a matmul weight tied to one, as GPT's head and token embedding
   are: the embedding reads it in fp32, the head's matmul casts it itself; a custom module's matrices)
   stays with its unit: the unit gathers in fp32, or, where it also holds matmul-type modules, those
@@ -83,6 +83,11 @@ def shard_as_autocast(
         fully_shard(vectors, **gathered_all_step, mp_policy=_policy(None))
     for unit in units:
         _shard_unit(unit, compute_dtype, **shard_kwargs)
+    if vectors:
+        # gathered when the model's forward starts, not only when a norm's forward does: a block that reads
+        # its norm's weight itself (a fused add-and-norm kernel) finds it gathered too
+        norms: Any = vectors[0]  # an FSDPModule now; unshard() is idempotent
+        model.register_forward_pre_hook(lambda module, args: norms.unshard())
 
 
 def _shard_unit(unit: nn.Module, compute_dtype: torch.dtype, **shard_kwargs: Any) -> None:
