@@ -16,7 +16,10 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch.nn as nn
 from launching import WORKERS, launch_ok
+
+from unison.parallel.precision_units import computes_in_half
 
 DEPTHS = (2, 12)
 DTYPES = ("no", "bf16", "fp16")
@@ -65,3 +68,17 @@ def test_a_block_that_reads_its_norms_weights_itself_trains_as_under_ddp(report)
     """The norms' fp32 unit is gathered when the model's forward starts, not only when a norm's forward
     runs: a fused add-and-norm kernel reading `norm.weight` would otherwise meet a sharded DTensor."""
     assert report["fused_norms/zero3/bf16"]["vs_ddp"] == 0
+
+
+class _LoggingLinear(nn.Linear):
+    def forward(self, x):  # a subclass may do anything with its weight: counted as fp32
+        return super().forward(x)
+
+
+def test_only_plain_matmul_type_modules_are_gathered_in_half_precision():
+    Conv1D = pytest.importorskip("transformers.pytorch_utils").Conv1D  # GPT-2's projections
+
+    half = [nn.Linear(2, 2), nn.MultiheadAttention(4, 2).out_proj, nn.Conv2d(1, 1, 1), Conv1D(2, 2)]
+    full = [nn.LayerNorm(2), nn.Embedding(3, 2), nn.MultiheadAttention(4, 2), _LoggingLinear(2, 2)]
+    assert [computes_in_half(m) for m in half] == [True] * 4
+    assert [computes_in_half(m) for m in full] == [False] * 4

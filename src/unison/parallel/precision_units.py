@@ -30,11 +30,11 @@ Autocast still runs on top (precision.py) and makes every per-op choice; FSDP2 o
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 
 from .engines import is_fsdp_module
 
@@ -86,7 +86,7 @@ def shard_as_autocast(
     if vectors:
         # gathered when the model's forward starts, not only when a norm's forward does: a block that reads
         # its norm's weight itself (a fused add-and-norm kernel) finds it gathered too
-        norms: Any = vectors[0]  # an FSDPModule now; unshard() is idempotent
+        norms = cast(FSDPModule, vectors[0])  # unshard() is idempotent: the norms' own hooks find it done
         model.register_forward_pre_hook(lambda module, args: norms.unshard())
 
 
