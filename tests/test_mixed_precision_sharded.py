@@ -8,8 +8,9 @@ counting the bytes each collective sends, and compares with one process of plain
 Tolerance of the bf16 runs: bf16 rounding makes any two correct bf16 runs differ (another batch split
 sums other roundings), by about as much as a bf16 run differs from the fp32 one. So the bound is
 measured in the same run, not picked: the sharded bf16 run must be no further from the fp32 reference
-than 1.5x the one-process autocast run is (measured: 0.94x), and no further from that autocast run than
-2x the same distance (measured: 1.05x; the distance itself was 8.9e-4 after 6 steps).
+than 1.5x the one-process autocast run is (measured: 0.90x), and no further from that autocast run than
+2x the same distance (measured: 0.65x, 5.1e-4 after 6 steps; 1.05x when FSDP2 gathered norms and
+embeddings in bf16 too). tests/test_sharded_autocast.py holds the exact claim: DDP's numbers.
 """
 
 from __future__ import annotations
