@@ -97,6 +97,13 @@ def test_argument_errors_are_raised_before_any_communication():
         apply_zero(model, 4)
     with pytest.raises(ValueError, match="mixed_precision_policy"):
         apply_zero(model, 1, mixed_precision_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match=r"stage=1 runs the model under DDP, which takes no .*compute_dtype"):
+        apply_zero(model, 1, compute_dtype=torch.bfloat16)
+    with pytest.raises(
+        ValueError, match=r"both mixed_precision_policy and compute_dtype=torch.bfloat16.*Pass one"
+    ):
+        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
+        apply_zero(model, 3, mixed_precision_policy=policy, compute_dtype=torch.bfloat16)
     with pytest.raises(ValueError, match=r"stage=1 runs the model whole under DDP, so blocks="):
         apply_zero(model, 1, blocks="layers")
     with pytest.raises(
