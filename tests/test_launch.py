@@ -362,6 +362,11 @@ def test_notebook_launcher():
     assert report["failure"].startswith("notebook_launcher: rank 1 failed first:")
     assert "ValueError: notebook failure on rank 1" in report["failure"]
     assert report["failure_seconds"] < 20  # the barrier's timeout is 60 s
+    # rank 0 raised while rank 1 slept: rank 0 is blamed, as torch's ChildFailedError (and RuntimeError)
+    assert report["rank_0_failure"].startswith("notebook_launcher: rank 0 failed first:")
+    assert "RuntimeError: I'm an even process. I don't like to sleep." in report["rank_0_failure"]
+    assert {"ChildFailedError", "RuntimeError"} <= set(report["rank_0_failure_types"])
+    assert report["rank_0_failure_seconds"] < 20  # rank 1 would sleep 100 s
     assert "already created in this process" in report["existing_state"]
 
 

@@ -47,6 +47,20 @@ _FORKED_CUDA_ADVICE = (
 )
 
 
+class NotebookLaunchError(ChildFailedError, RuntimeError):
+    """A launched function failed on some rank.
+
+    torch's ChildFailedError, as Accelerate's notebook_launcher raises (`failures` holds every rank's
+    failure as torch's agent saw it), but its message names the rank that failed first, the cause,
+    with its traceback: torch's own message leads with the earliest whole-second timestamp, often a
+    rank the agent terminated because of the cause. Also a RuntimeError, as unison raised before.
+    """
+
+    def __init__(self, message: str, error: ChildFailedError):
+        super().__init__(error.name, error.failures)
+        self.args = (message,)
+
+
 def notebook_launcher(
     function: Callable[..., Any],
     args: Sequence[Any] = (),
@@ -77,7 +91,8 @@ def notebook_launcher(
         cpu: run every process on the CPU even if GPUs are present (exported as UNISON_CPU).
 
     Raises:
-        RuntimeError: naming the rank that failed first, with its traceback.
+        NotebookLaunchError: (a ChildFailedError and a RuntimeError) naming the rank that failed
+            first, with its traceback.
     """
     mixed_precision = validate_mixed_precision(mixed_precision)
     if PartialState._shared_state or AcceleratorState._shared_state:
@@ -161,7 +176,8 @@ def _launch_workers(
             rank, text = _first_failure(log_dir) or _torch_failure(error)
             if "Cannot re-initialize CUDA in forked subprocess" in text:
                 text += _FORKED_CUDA_ADVICE
-            raise RuntimeError(f"notebook_launcher: rank {rank} failed first:\n{text}") from None
+            message = f"notebook_launcher: rank {rank} failed first:\n{text}"
+            raise NotebookLaunchError(message, error) from None
 
 
 def _run_in_worker(function: Callable[..., Any], *args: Any) -> Any:
@@ -176,6 +192,9 @@ def _run_in_worker(function: Callable[..., Any], *args: Any) -> Any:
     except BaseException:
         if sys.excepthook is not sys.__excepthook__:
             sys.excepthook(*sys.exc_info())
+            # the hook wrote the error file with the exact time and whether this failure was a consequence
+            # of another rank's; torch's @record around this function would overwrite it on an exception
+            raise SystemExit(1) from None
         raise
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
