@@ -45,6 +45,7 @@ from .kwargs_handlers import (
     check_process_group_kwargs,
     sort_kwargs_handlers,
 )
+from .numerics import NumericsNotice, resolve_numerics
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .parallel.checkpointing import normalize_mode, resolve_mode
 from .parallel.compiling import TorchDynamoPlugin, resolve_dynamo_plugin
@@ -89,7 +90,9 @@ class Accelerator(
     environment variables of `unison.launch_env`), else the defaults below; arguments given in code
     always win. `convert_outputs_to_fp32` (unison's): under mixed precision, True hands every floating
     output of a prepared model back in fp32 (Accelerate), False none, None (default) all but the logits
-    of a model that returned its own loss (see PrecisionPolicy.outputs_to_fp32).
+    of a model that returned its own loss (see PrecisionPolicy.outputs_to_fp32). `numerics` (unison's):
+    "unison" (default) or "accelerate" for Accelerate's numbers where the two deliberately differ (a
+    short accumulation window, the scheduler's steps on several processes); None reads UNISON_NUMERICS.
     """
 
     def __init__(
@@ -118,8 +121,10 @@ class Accelerator(
         activation_checkpointing: str | bool | None = None,
         dynamo_backend: str | None = None,
         dynamo_plugin: TorchDynamoPlugin | None = None,
+        numerics: str | None = None,
     ):
         check_convert_outputs(convert_outputs_to_fp32)  # before any state exists, on every process
+        numerics, overridden = resolve_numerics(numerics)  # a bad value fails here, on every process
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
             (fsdp_plugin, deepspeed_plugin, deepspeed_plugins),
@@ -153,6 +158,9 @@ class Accelerator(
             handlers.get(InitProcessGroupKwargs), self.state.backend, self.state.device
         )
         self.gradient_state = GradientState(gradient_accumulation_steps=self.gradient_accumulation_steps)
+        self._numerics = NumericsNotice(numerics, self.state.is_main_process)  # numerics.py
+        if overridden is not None and self.is_main_process:
+            logger.warning(overridden)
         self.device_placement = device_placement
         self.rng_types = rng_types
         self.step_scheduler_with_optimizer = step_scheduler_with_optimizer
@@ -243,6 +251,11 @@ class Accelerator(
     @property
     def use_stateful_dataloader(self) -> bool:
         return self.dataloader_config.use_stateful_dataloader
+
+    @property
+    def numerics(self) -> str:
+        """Whose numbers this run computes where unison and Accelerate differ: "unison" or "accelerate"."""
+        return self._numerics.numerics
 
     @property
     def project_dir(self) -> str | None:

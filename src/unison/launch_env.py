@@ -16,6 +16,7 @@ configured without touching the script.
 | UNISON_ACTIVATION_CHECKPOINTING      | activation_checkpointing      | full, selective[:K] |
 | UNISON_DYNAMO_BACKEND                | dynamo_backend                | no, inductor, ... |
 | UNISON_DYNAMO_MODE                   | TorchDynamoPlugin(mode=...)   | default, max-autotune, ... |
+| UNISON_NUMERICS                      | numerics                      | unison, accelerate |
 | UNISON_DEBUG                         | (none: `unison launch --debug`) | 1/true or 0/false |
 | UNISON_PEAK_FLOPS                    | (none: throughput.peak_flops) | FLOP/s > 0, e.g. 1e12 |
 """
@@ -31,6 +32,7 @@ TIMEOUT = "UNISON_TIMEOUT"
 PARALLELISM = "UNISON_PARALLELISM"
 ACTIVATION_CHECKPOINTING = "UNISON_ACTIVATION_CHECKPOINTING"  # parallel/checkpointing.py's modes
 PLUGIN = "UNISON_PLUGIN"  # JSON: {"fsdp" or "deepspeed": {plugin field: value}}, from Accelerate's flags
+NUMERICS = "UNISON_NUMERICS"  # whose numbers where unison and Accelerate differ (numerics.py)
 DEBUG = "UNISON_DEBUG"  # check every collective's operation and shapes across ranks (state.debug_mode)
 DYNAMO_BACKEND = "UNISON_DYNAMO_BACKEND"  # torch.compile backend of prepare() (parallel/compiling.py)
 DYNAMO_MODE = "UNISON_DYNAMO_MODE"
@@ -46,6 +48,7 @@ ALL = (
     PARALLELISM,
     ACTIVATION_CHECKPOINTING,
     PLUGIN,
+    NUMERICS,
     DEBUG,
     DYNAMO_BACKEND,
     DYNAMO_MODE,

@@ -4,7 +4,8 @@ While gradients accumulate, `optimizer.step()`, `optimizer.zero_grad()` and `sch
 nothing, so the user's loop calls them every micro-step and the real update happens once per
 accumulation window. The scheduler steps exactly once per real optimizer step, whatever the number
 of processes: the schedule is written in optimizer steps and means the same on 1 or 64 processes
-(Accelerate steps it num_processes times per call unless told otherwise, its issue #2926).
+(Accelerate steps it num_processes times per call unless told otherwise, its issue #2926). Under
+numerics="accelerate" (UNISON_NUMERICS=accelerate, numerics.py) it steps as Accelerate's does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from . import watchdog
+from .numerics import SCHEDULER_STEPS, NumericsNotice
 from .state import GradientState
 
 
@@ -136,15 +138,27 @@ class AcceleratedScheduler:
     """Wraps an LR scheduler so it steps once per real (not skipped) optimizer step.
 
     With step_with_optimizer=False it steps on every call instead, for schedules written in
-    micro-batches (Accelerate's step_scheduler_with_optimizer=False).
+    micro-batches (Accelerate's step_scheduler_with_optimizer=False). Under Accelerate's numerics
+    (`notice.accelerate`) a real optimizer step steps it `num_processes` times unless split_batches,
+    as Accelerate's AcceleratedScheduler does: its batches grew with the processes, so its schedules
+    are sized in per-process batches (transformers' no_trainer scripts multiply by num_processes).
     """
 
     def __init__(
-        self, scheduler: Any, optimizers: list[AcceleratedOptimizer], step_with_optimizer: bool = True
+        self,
+        scheduler: Any,
+        optimizers: list[AcceleratedOptimizer],
+        step_with_optimizer: bool = True,
+        split_batches: bool = False,
+        num_processes: int = 1,
+        notice: NumericsNotice | None = None,
     ):
         self.scheduler = scheduler
         self.optimizers = optimizers
         self.step_with_optimizer = step_with_optimizer
+        self.split_batches = split_batches
+        self.num_processes = num_processes
+        self.notice = notice or NumericsNotice("unison", is_main_process=False)
         self.gradient_state = GradientState()
 
     def step(self, *args, **kwargs) -> None:
@@ -155,14 +169,33 @@ class AcceleratedScheduler:
             return
         if any(optimizer.step_was_skipped for optimizer in self.optimizers):
             return  # fp16 overflow: the optimizer did not step, so neither does the schedule
-        if not self._drives_a_rebuilt_optimizer():
-            self.scheduler.step(*args, **kwargs)
-            return
+        times = 1 if self.split_batches else self.num_processes
+        if times > 1 and not self.notice.accelerate:
+            self.notice.differs(
+                SCHEDULER_STEPS,
+                f"The prepared scheduler steps once per optimizer step on {times} processes; Accelerate "
+                f"steps it {times} times (split_batches=False), so a schedule sized for Accelerate (e.g. "
+                f"max_train_steps * num_processes) advances {times}x slower here.",
+            )
+            times = 1
+        capped = self.notice.accelerate and not self.split_batches  # Accelerate's own branch
         with warnings.catch_warnings():
-            # torch checks that the scheduler's optimizer stepped first; the one that stepped is the
-            # rebuilt one, which shares its param groups, so the check looks at the wrong object
-            warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
-            self.scheduler.step(*args, **kwargs)
+            if self._drives_a_rebuilt_optimizer():
+                # torch checks that the scheduler's optimizer stepped first; the one that stepped is the
+                # rebuilt one, which shares its param groups, so the check looks at the wrong object
+                warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler\.step\(\)` before")
+            for _ in range(times):
+                if capped and self._past_its_total_steps():
+                    return
+                self.scheduler.step(*args, **kwargs)
+
+    def _past_its_total_steps(self) -> bool:
+        """A schedule with a fixed length (OneCycleLR's total_steps) that one more step would overrun:
+        Accelerate skips the step rather than let torch raise, where a short last window adds a step.
+        Its check reads torch's private _step_count, which is last_epoch + 1 for a scheduler built
+        without a last_epoch, so the public last_epoch is read here."""
+        total = getattr(self.scheduler, "total_steps", None)
+        return total is not None and self.scheduler.last_epoch + 1 > total
 
     def _drives_a_rebuilt_optimizer(self) -> bool:
         """Whether prepare() rebuilt the scheduler's optimizer (ZeRO-1's ZeroRedundancyOptimizer shares

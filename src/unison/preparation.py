@@ -241,11 +241,17 @@ class PreparationMethods:
         return prepared
 
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
-        """Wrap `scheduler` so it steps once per real optimizer step, whatever the process count."""
+        """Wrap `scheduler` so it steps once per real optimizer step, whatever the process count
+        (under numerics="accelerate": num_processes times unless split_batches, as Accelerate)."""
         self._check_preparable(scheduler)
         owners = [opt for opt in self._optimizers if opt.optimizer is getattr(scheduler, "optimizer", None)]
         prepared = AcceleratedScheduler(
-            scheduler, owners or self._optimizers, self.step_scheduler_with_optimizer
+            scheduler,
+            owners or self._optimizers,
+            self.step_scheduler_with_optimizer,
+            split_batches=self.split_batches,
+            num_processes=self.num_processes,
+            notice=self._numerics,
         )
         self._remember(scheduler, prepared)
         self._schedulers.append(prepared)

@@ -4,7 +4,7 @@ A mixin, as collectives.py and checkpoint/methods.py are, so accelerator.py stay
 decides which micro-step synchronises gradients, normalises them (by the accumulation steps, by the
 micro-batches a window really had, or by `num_items`), and runs a pipeline's schedule where no rank
 holds the whole model. It reads `gradient_state`, `gradient_accumulation_steps`,
-`gradient_accumulation_plugin`, `step`, `_models`,
+`gradient_accumulation_plugin`, `step`, `_models`, `_numerics`,
 `_optimizers`, `_item_count`, `precision`, `parallelism`, `device_mesh` and `device` from the
 Accelerator.
 """
@@ -21,6 +21,7 @@ import torch
 
 from .item_count import scale_gradients
 from .kwargs_handlers import AutocastKwargs
+from .numerics import SHORT_WINDOW
 from .parallel.apply import data_parallel_engine
 from .parallel.clipping import clip_grad_norm
 from .parallel.ddp import check_every_parameter_got_a_gradient, skip_gradient_sync, trigger_sync_in_backward
@@ -150,7 +151,8 @@ class TrainingStepMethods:
 
         Mean losses were divided by k; a window the loader cut short after r < k micro-batches is
         multiplied by k / r here, so its update is the mean over its own micro-batches, as one process
-        with the same samples in one batch computes it (every process ends the loader together).
+        with the same samples in one batch computes it (every process ends the loader together). Under
+        numerics="accelerate" it stays divided by k, as in Accelerate (numerics.py).
         """
         if counted is not None:
             self._item_count.add(counted)
@@ -160,9 +162,21 @@ class TrainingStepMethods:
             if counted is not None:
                 self._normalise_by_item_count()
             elif self._window_micro_steps < self.gradient_accumulation_steps:
-                factor = torch.tensor(self.gradient_accumulation_steps / self._window_micro_steps)
-                scale_gradients((p for model in self._models for p in model.parameters()), factor)
+                self._average_short_window()
             self._item_count.end_window()
+
+    def _average_short_window(self) -> None:
+        """A window of r < k micro-batches: gradients times k / r (unison's), or left divided by k
+        under numerics="accelerate"; unison's says once where it differs from Accelerate's."""
+        if self._numerics.accelerate:
+            return
+        k, r = self.gradient_accumulation_steps, self._window_micro_steps
+        self._numerics.differs(
+            SHORT_WINDOW,
+            f"The loader ended an accumulation window after {r} of {k} micro-batches: its gradients are "
+            f"averaged over the {r} it had (Accelerate divides each loss by {k}).",
+        )
+        scale_gradients((p for model in self._models for p in model.parameters()), torch.tensor(k / r))
 
     def _warn_outside_accumulate(self) -> None:
         """Only accumulate() counts micro-steps: outside it every backward ends a window of its own,

@@ -1,0 +1,89 @@
+"""Which numbers a run computes where unison and Accelerate deliberately differ: the switch and its notice.
+
+Two conventions change numbers (docs/migrating-from-accelerate.md, "Deliberate differences"):
+
+- a gradient-accumulation window the loader cuts short after r < k micro-batches: unison averages its
+  gradients over the r micro-batches it had; Accelerate divides every micro-batch's loss by k;
+- a prepared scheduler with split_batches=False on N > 1 processes: unison steps it once per optimizer
+  step; Accelerate steps it N times (its AcceleratedScheduler).
+
+`numerics="unison"` (the default) keeps unison's; `numerics="accelerate"`, or the environment variable
+UNISON_NUMERICS=accelerate for a script left unchanged, gives Accelerate's, so a migrated script
+reproduces its Accelerate run. Under the default, `NumericsNotice.differs` says once per run and
+convention, on the main process, the first time a convention changes a number, naming the switch; it
+says nothing while the two agree. This module knows only the launch contract (launch_env) and logging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+from . import launch_env
+
+logger = logging.getLogger("unison")
+
+UNISON = "unison"
+ACCELERATE = "accelerate"
+CHOICES = (UNISON, ACCELERATE)
+
+SHORT_WINDOW = "short_window"
+SCHEDULER_STEPS = "scheduler_steps"
+
+
+def _check(value: object, where: str) -> str:
+    if not isinstance(value, str) or value.strip().lower() not in CHOICES:
+        example = "numerics='accelerate'" if where == "numerics" else f"export {where}=accelerate"
+        raise ValueError(
+            f"{where}={value!r} is not a numerics convention: choose 'unison' (the default: a short "
+            "accumulation window averaged over its own micro-batches, the scheduler stepped once per "
+            "optimizer step) or 'accelerate' (Accelerate's numbers: the short window divided by "
+            f"gradient_accumulation_steps, the scheduler stepped num_processes times), e.g. {example}."
+        )
+    return value.strip().lower()
+
+
+def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
+    """The run's convention and, when the code overrides UNISON_NUMERICS, the line that says so.
+
+    The variable is always read (and a bad value refused, on every process); a code argument given
+    wins over it, as every Accelerator argument wins over its UNISON_* variable (launch_env).
+    """
+    raw = os.environ.get(launch_env.NUMERICS)
+    exported = _check(raw, launch_env.NUMERICS) if raw is not None and raw.strip() else None
+    if numerics is None:
+        return exported or UNISON, None
+    chosen = _check(numerics, "numerics")
+    if exported is not None and exported != chosen:
+        return chosen, (
+            f"Accelerator(numerics={chosen!r}) overrides {launch_env.NUMERICS}={exported}: the argument in "
+            f"code wins. Remove it from the script to let {launch_env.NUMERICS} choose."
+        )
+    return chosen, None
+
+
+class NumericsNotice:
+    """One run's convention, and which differences it has already reported (each at most once)."""
+
+    def __init__(self, numerics: str, is_main_process: bool):
+        self.numerics = numerics
+        self.is_main_process = is_main_process
+        self._said: set[str] = set()
+
+    @property
+    def accelerate(self) -> bool:
+        """True when the run computes Accelerate's numbers."""
+        return self.numerics == ACCELERATE
+
+    def differs(self, convention: str, what: str) -> None:
+        """Under unison's numbers, say `what` (how this number differs from Accelerate's) once."""
+        if self.accelerate or convention in self._said:
+            return
+        self._said.add(convention)
+        if self.is_main_process:
+            logger.warning(
+                "%s Set %s=accelerate (or Accelerator(numerics='accelerate')) for Accelerate's numbers "
+                "(docs/migrating-from-accelerate.md, deliberate differences).",
+                what,
+                launch_env.NUMERICS,
+            )
