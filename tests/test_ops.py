@@ -239,12 +239,15 @@ def test_rng_state_round_trip_through_a_weights_only_checkpoint(tmp_path):
 
 # -- collectives with three processes -----------------------------------------------------------------
 def test_collectives_across_three_processes(tmp_path):
-    """Run in debug mode: the cross-rank agreement check (every rank raises the same error, the group
-    stays usable) runs there only; by default the hang watchdog reports a mismatch (tests/test_hangs.py)."""
-    launch_ok(WORKERS / "ops_worker.py", 3, tmp_path, env={"UNISON_DEBUG": "1"})
+    """Run in debug mode, switched on at run time (`state.debug = True`, as Accelerate's test_op_checker
+    does; launched without --debug): the cross-rank agreement check (every rank raises the same error,
+    the group stays usable) runs there only; by default the hang watchdog reports a mismatch
+    (tests/test_hangs.py)."""
+    launch_ok(WORKERS / "ops_worker.py", 3, tmp_path)
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     for rank, record in enumerate(records):
         assert record["rank"] == rank
+        assert record["debug_at_start"] is False
         assert record["passed"] == [
             "gather",
             "gather_object",

@@ -234,3 +234,34 @@ def test_a_reset_state_says_what_happened_when_the_accelerator_uses_it():
     AcceleratorState._reset_state()
     with pytest.raises(AttributeError, match=r"no attribute `device`: the shared state is empty\. This"):
         accelerator.prepare(torch.nn.Linear(1, 1))
+
+
+@pytest.mark.parametrize("variable", [None, launch_env.DEBUG, "ACCELERATE_DEBUG_MODE"])
+def test_debug_starts_from_the_environment_and_is_switched_at_run_time(fresh_state, monkeypatch, variable):
+    """`state.debug` is the switch the ops read (Accelerate's PartialState.debug): the launch flag or
+    variable gives its first value, a script may set it later, through either state object."""
+    monkeypatch.delenv("ACCELERATE_DEBUG_MODE", raising=False)
+    if variable is not None:
+        monkeypatch.setenv(variable, "1")
+    accelerator = Accelerator(cpu=True)
+    assert PartialState().debug is (variable is not None)
+    accelerator.state.debug = False
+    assert PartialState().debug is False and AcceleratorState().debug is False
+    PartialState().debug = True
+    assert accelerator.state.debug is True
+
+
+def test_destroy_process_group_works_after_the_state_was_reset(fresh_state):
+    """As Accelerate's test scripts end: the state object kept, the shared state reset, then the group
+    ended through it (here a one-process gloo group the script formed, which the state adopts)."""
+    torch.distributed.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+    try:
+        state = Accelerator(cpu=True).state
+        AcceleratorState._reset_state()
+        state.destroy_process_group()
+        assert not torch.distributed.is_initialized()
+        AcceleratorState._reset_state(reset_partial_state=True)  # Accelerate's argument: both states go
+        assert not PartialState._shared_state
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

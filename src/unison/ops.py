@@ -7,7 +7,8 @@ script behaves the same under `python` and under `unison launch`.
 
 Safety: a collective fed tensors of different shapes on different processes hangs or returns garbage.
 What each process knows alone is checked on every call for free (every leaf is a tensor). The
-cross-process check runs in debug mode only (`unison launch --debug`, UNISON_DEBUG=1): `gather`,
+cross-process check runs in debug mode only (`unison launch --debug`, UNISON_DEBUG=1, or
+`PartialState().debug = True` at run time, as in Accelerate): `gather`,
 `reduce`, `broadcast` and `pad_across_processes` then first run ONE tiny collective per call: every
 process hashes the description (path, dtype, shape) of all its leaves and one all_reduce(MAX) of
 (hash, -hash) tells everyone whether all hashes are equal. When they differ, every process gathers the
@@ -36,7 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from .state import PartialState, debug_mode
+from .state import PartialState
 
 REDUCTIONS = {
     "sum": dist.ReduceOp.SUM,
@@ -304,7 +305,7 @@ def _check_agreement(
     shapes. Returns this process's description.
     """
     description = _describe(data)
-    if state.num_processes > 1 and debug_mode():
+    if state.num_processes > 1 and state.debug:
         agreed = description if compare is None else [compare(leaf) for leaf in description]
         digest = _digest([op, agreed])
         extremes = _comm(torch.tensor([digest, -digest], dtype=torch.int64), state)

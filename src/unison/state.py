@@ -146,7 +146,9 @@ def _attempt_prefix() -> str:
 def debug_mode() -> bool:
     """`unison launch --debug` / UNISON_DEBUG=1 (or Accelerate's ACCELERATE_DEBUG_MODE): every collective
     is checked across ranks before it runs (torch's TORCH_DISTRIBUTED_DEBUG=DETAIL, and unison's ops
-    compare their inputs' shapes), so ranks that call different collectives fail at once, on every rank."""
+    compare their inputs' shapes), so ranks that call different collectives fail at once, on every rank.
+
+    The starting value of `PartialState.debug`, which the ops read afterwards (a script may switch it)."""
     return launch_env.env_bool(launch_env.DEBUG, False) or launch_env.env_bool("ACCELERATE_DEBUG_MODE", False)
 
 
@@ -213,6 +215,9 @@ class PartialState:
         self.timeout: timedelta | None = _as_timedelta(timeout)
         self._timeout_requested = timeout is not None or launch_env.TIMEOUT in os.environ
         self.cpu = cpu_requested
+        # unison's ops check their inputs across ranks while True; set at run time as in Accelerate
+        # (`state.debug = True`); torch's own checks (DETAIL) follow the value the group was formed with
+        self.debug = debug_mode()
         self.device, self.backend = _pick_device(layout, cpu_requested)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
@@ -249,7 +254,7 @@ class PartialState:
         kwargs: dict[str, Any] = {}
         if self.backend == "nccl":
             kwargs["device_id"] = self.device
-        if debug_mode():
+        if self.debug:
             dist.set_debug_level(dist.DebugLevel.DETAIL)  # torch checks every collective across ranks
         os.environ.update(_socket_interface(layout))
         first_step = (
@@ -398,8 +403,7 @@ class PartialState:
 
     def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
         """Destroy `group` (default: every group, ending this process's collectives), as at exit."""
-        if dist.is_initialized():
-            dist.destroy_process_group(group)
+        _end_process_group(group)
 
     @staticmethod
     def _only_if(function: Callable, condition: Callable[[], bool]) -> Callable:
@@ -420,6 +424,11 @@ class PartialState:
             f"Num processes: {self.num_processes}\nProcess index: {self.process_index}\n"
             f"Local process index: {self.local_process_index}\nDevice: {self.device}\n"
         )
+
+
+def _end_process_group(group: dist.ProcessGroup | None) -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group(group)
 
 
 def _split_sequence_bounds(length: int, num_processes: int, process_index: int) -> tuple[int, int]:
@@ -555,9 +564,28 @@ class AcceleratorState:
             )
         return getattr(self.partial, name)
 
+    @property
+    def debug(self) -> bool:
+        """PartialState's switch (one per process): setting it here reaches the ops as well."""
+        return self.partial.debug
+
+    @debug.setter
+    def debug(self, value: bool) -> None:
+        self.partial.debug = bool(value)
+
+    def destroy_process_group(self, group: dist.ProcessGroup | None = None) -> None:
+        """Destroy `group` (default: every group), as PartialState's does. Defined here, not read from the
+        shared state, so that it also works after `_reset_state()` (Accelerate's test scripts reset the
+        state, then end the group through the state object they kept)."""
+        _end_process_group(group)
+
     @classmethod
-    def _reset_state(cls) -> None:
+    def _reset_state(cls, reset_partial_state: bool = False) -> None:
+        """Forget the training settings (tests only), and with reset_partial_state the process facts too
+        (Accelerate's argument); the process group stays."""
         cls._shared_state.clear()
+        if reset_partial_state:
+            PartialState._reset_state()
 
 
 def validate_mixed_precision(value: str) -> str:

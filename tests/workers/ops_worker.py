@@ -38,6 +38,8 @@ class Out:
 state = PartialState(cpu=True)
 rank, world = state.process_index, state.num_processes
 assert world == 3, world
+debug_at_start = state.debug  # launched without --debug / UNISON_DEBUG
+state.debug = True  # the cross-rank checks, switched on at run time as Accelerate's test_op_checker does
 passed: list[str] = []
 errors: dict[str, str] = {}
 
@@ -204,5 +206,5 @@ expect_error("broadcast_from_out_of_range", ValueError, lambda: broadcast(torch.
 passed.append("errors")
 
 Path(sys.argv[1], f"rank{rank}.json").write_text(
-    json.dumps({"rank": rank, "passed": passed, "errors": errors})
+    json.dumps({"rank": rank, "passed": passed, "errors": errors, "debug_at_start": debug_at_start})
 )
