@@ -1,11 +1,11 @@
 """The combination matrix: precision x layout x the loop's conditions, each cell equal to one process or
 refused up front, and docs/matrix.md's table generated from what these launches measured.
 
-Three launches of tests/workers/matrix_worker.py: 2 processes (every 1-D layout), 4 (the 2-D layouts)
-and one plain process that resumes every checkpoint the first two saved. Each (layout, precision) trains
-the tiny GPT through the ordinary loop (clipping, accumulation 2, a rate that changes every step, a
-short last batch) on a model built normally and on one built on the meta device, against one process of
-plain torch computed in the same launch.
+Four launches of tests/workers/matrix_worker.py: 2 processes (every 1-D layout), 4 (the 2-D layouts),
+8 (the 3-D one) and one plain process that resumes every checkpoint the others saved. Each (layout,
+precision) trains the tiny GPT through the ordinary loop (clipping, accumulation 2, a rate that changes
+every step, a short last batch) on a model built normally and on one built on the meta device, against
+one process of plain torch computed in the same launch.
 
 Tolerances: fp32 with SGD + momentum within 1e-5 (docs/combinations.md; measured 3e-8 .. 2.4e-7). In
 bf16 and fp16 any two correct runs differ by about as much as the half precision changes one process
@@ -37,6 +37,7 @@ LAYOUTS = {
         "dp_shard_size=2,cp_size=2",
         "tp_size=2,cp_size=2",
     ),
+    8: ("pp_size=2,dp_shard_size=2,tp_size=2",),
 }
 PRECISIONS = ("no", "bf16", "fp16")
 CONDITIONS = ("loop", "meta", "resume")
