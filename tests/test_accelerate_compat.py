@@ -391,8 +391,8 @@ def test_an_accelerator_pickles_with_what_it_prepared():
     copied_model, copied_optimizer = clone._models[0], clone._optimizers[0]
     assert torch.equal(copied_model.weight, model.weight) and copied_model is not model
     assert copied_optimizer.optimizer.param_groups[0]["params"][0] is copied_model.weight
-    with pytest.raises(ValueError, match="Linear was already prepared"):  # the clone knows what it prepared
-        clone.prepare(copied_model)
+    assert clone.prepare(copied_model) is copied_model  # the clone knows what it prepared: returned as is
+    assert clone._models == [copied_model]
 
 
 def test_availability_probes_answer_from_torch_and_the_installed_packages(monkeypatch):
@@ -438,3 +438,30 @@ def test_sync_each_batch_false_under_pipelines_with_replicas_is_said_not_silentl
     assert not said("pp_size=2,dp_shard_size=2", 4, None)  # the default reduces every micro-step anyway
     assert not said("pp_size=2", 2, False)  # no replicas: nothing to reduce
     assert not said("zero3", 2, False)  # FSDP2 alone honours it
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_prepare_returns_what_it_prepared_already_and_refuses_what_it_replaced():
+    """As Accelerate: an object prepare() returned comes back as it is (a prepared loader also from
+    another Accelerator, as after _reset_state()); the optimizer it replaced is refused, not wrapped twice."""
+    accelerator = Accelerator(cpu=True)
+    model = torch.nn.Linear(2, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1)
+    loader = torch.utils.data.DataLoader(list(range(8)), batch_size=2)
+    prepared = accelerator.prepare(model, optimizer, loader, scheduler)
+    assert all(a is b for a, b in zip(accelerator.prepare(*prepared), prepared, strict=True))
+    assert accelerator.prepare(prepared[2]) is prepared[2]
+    assert accelerator.prepare_optimizer(prepared[1]) is prepared[1]
+    assert accelerator.prepare_scheduler(prepared[3]) is prepared[3]
+    kept = (accelerator._models, accelerator._optimizers, accelerator._dataloaders, accelerator._schedulers)
+    assert [len(objects) for objects in kept] == [1, 1, 1, 1]
+    with pytest.raises(
+        ValueError, match=r"SGD was already prepared, and prepare\(\) returned another object"
+    ):
+        accelerator.prepare(optimizer)
+    unison.AcceleratorState._reset_state()
+    unison.GradientState._reset_state()
+    other = Accelerator(cpu=True)
+    assert other.prepare(prepared[2]) is prepared[2] and other._dataloaders == [prepared[2]]
+    assert [batch.tolist() for batch in prepared[2]] == [[0, 1], [2, 3], [4, 5], [6, 7]]

@@ -69,7 +69,8 @@ class PreparationMethods:
         """Prepare each object for this run and return them in the same order (one object: itself).
 
         Models are prepared before optimizers, and optimizers before schedulers, whatever the order
-        given, because each needs the one before it.
+        given, because each needs the one before it. An object prepare() returned comes back as it is
+        (as in Accelerate); the object it replaced is refused (see `_check_preparable`).
         """
         if device_placement is None:
             device_placement = [self.device_placement] * len(objects)
@@ -78,24 +79,52 @@ class PreparationMethods:
                 f"device_placement has {len(device_placement)} entries for {len(objects)} objects: give one "
                 "True/False per object passed to prepare(), or leave it out."
             )
-        for obj in objects:
+        returned = [self._returned_by_prepare(obj) for obj in objects]
+        fresh = [obj for obj, again in zip(objects, returned) if not again]
+        for obj in fresh:
             self._check_preparable(obj)
         if self.parallelism is not None:  # the layout is known: refuse a loader before any model is wrapped
-            for obj in objects:
+            for obj in fresh:
                 if isinstance(obj, DataLoader):
                     self._check_loader_rounds(obj)
-        result: list[Any] = list(objects)
+        result: list[Any] = [
+            self._as_prepared(obj) if again else obj for obj, again in zip(objects, returned)
+        ]
         for kind in (torch.nn.Module, torch.optim.Optimizer, _SCHEDULER_TYPES, DataLoader):
             for i, obj in enumerate(objects):
-                if isinstance(obj, kind):
+                if isinstance(obj, kind) and not returned[i]:
                     result[i] = self._prepare_one(obj, device_placement[i])
         return result[0] if len(result) == 1 else tuple(result)
 
+    def _returned_by_prepare(self, obj: Any) -> bool:
+        """An object this Accelerator's prepare() returned, or a prepared optimizer, scheduler or loader
+        of another (as after `AcceleratorState._reset_state()`): preparing it again returns it as it is,
+        as Accelerate does, instead of wrapping the wrapper."""
+        mine = (*self._models, *self._optimizers, *self._schedulers, *self._dataloaders)
+        return any(obj is prepared for prepared in mine) or isinstance(obj, _PREPARED_TYPES)
+
+    def _as_prepared(self, obj: Any) -> Any:
+        """`obj` (see _returned_by_prepare), counted among this Accelerator's objects as Accelerate does."""
+        kind = (
+            self._optimizers
+            if isinstance(obj, AcceleratedOptimizer)
+            else self._schedulers
+            if isinstance(obj, AcceleratedScheduler)
+            else self._dataloaders
+            if isinstance(obj, DataLoader)
+            else self._models
+        )
+        if not any(obj is known for known in kind):
+            kind.append(obj)
+            self._prepared.add(obj)
+        return obj
+
     def _check_preparable(self, obj: Any) -> None:
-        if obj in self._prepared or isinstance(obj, _PREPARED_TYPES):
+        if obj in self._prepared and not self._returned_by_prepare(obj):
             raise ValueError(
-                f"this {type(obj).__name__} was already prepared: prepare() each model, optimizer, scheduler "
-                "and data loader once, and use the object prepare() returned."
+                f"this {type(obj).__name__} was already prepared, and prepare() returned another object in "
+                "its place: use the object prepare() returned (preparing that one again returns it as it "
+                "is), and let go of the original."
             )
         if not isinstance(obj, (torch.nn.Module, torch.optim.Optimizer, *_SCHEDULER_TYPES, DataLoader)):
             raise TypeError(
@@ -120,6 +149,8 @@ class PreparationMethods:
 
     def prepare_model(self, model: torch.nn.Module, device_placement: bool | None = None) -> torch.nn.Module:
         """Move `model` to the device and wrap it for the run's layout (DDP, ZeRO-1/2/3, HSDP, ...)."""
+        if self._returned_by_prepare(model):
+            return self._as_prepared(model)
         self._check_preparable(model)
         if self.parallelism is None:
             self._plan_layout(model)
@@ -219,6 +250,8 @@ class PreparationMethods:
         self, optimizer: torch.optim.Optimizer, device_placement: bool | None = None
     ) -> AcceleratedOptimizer:
         """Wrap `optimizer` so that step/zero_grad wait for the end of each accumulation window."""
+        if self._returned_by_prepare(optimizer):
+            return self._as_prepared(optimizer)
         self._check_preparable(optimizer)
         if device_placement is None:
             device_placement = self.device_placement
@@ -243,6 +276,8 @@ class PreparationMethods:
     def prepare_scheduler(self, scheduler: Any) -> AcceleratedScheduler:
         """Wrap `scheduler` so it steps once per real optimizer step, whatever the process count
         (under numerics="accelerate": num_processes times unless split_batches, as Accelerate)."""
+        if self._returned_by_prepare(scheduler):
+            return self._as_prepared(scheduler)
         self._check_preparable(scheduler)
         owners = [opt for opt in self._optimizers if opt.optimizer is getattr(scheduler, "optimizer", None)]
         prepared = AcceleratedScheduler(
@@ -268,6 +303,8 @@ class PreparationMethods:
         self, data_loader: DataLoader, device_placement: bool | None = None
     ) -> DataLoader:
         """Re-create `data_loader` so each process reads its own shard, delivered on the device."""
+        if self._returned_by_prepare(data_loader):
+            return self._as_prepared(data_loader)
         self._check_preparable(data_loader)
         if device_placement is None:
             device_placement = self.device_placement

@@ -10,7 +10,6 @@ the test could not mount one.
 """
 
 import json
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -193,7 +192,8 @@ def prepare_other_object():
 @case
 def prepared_twice():
     accelerator = Accelerator()
-    model = accelerator.prepare(two_layers())
+    model = two_layers()
+    accelerator.prepare(model)  # returns a DDP wrapper; preparing that again would return it as it is
     accelerator.prepare(model)
 
 
@@ -325,11 +325,12 @@ def broadcast_out_of_range():
 
 @case
 def shapes_differ_debug():
-    os.environ["UNISON_DEBUG"] = "1"  # as `unison launch --debug` sets it; read at each collective
+    accelerator = Accelerator()
+    accelerator.state.debug = True  # as `unison launch --debug` starts it, switched at run time
     try:
-        Accelerator().gather(torch.zeros(rank + 1, 3))
+        accelerator.gather(torch.zeros(rank + 1, 3))
     finally:
-        del os.environ["UNISON_DEBUG"]
+        accelerator.state.debug = False
 
 
 @case
