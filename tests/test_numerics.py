@@ -12,7 +12,7 @@ import json
 
 import pytest
 import torch
-from launching import WORKERS, launch_ok
+from launching import WORKERS, describe, launch, launch_ok
 from numerics_worker import reference, train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -140,11 +140,13 @@ def test_a_fixed_length_schedule_is_not_overrun_under_accelerate_numbers(fresh_s
 
 
 def test_two_processes(tmp_path):
-    """One launch: the default (unison's numbers, each line once on rank 0 only), UNISON_NUMERICS=accelerate
-    on the unchanged script (Accelerate's: the rate ends at 0), split_batches=True (no scheduler line)."""
-    launch_ok(WORKERS / "numerics_worker.py", 2, tmp_path)
+    """One launch: `unison launch --numerics accelerate` exports UNISON_NUMERICS=accelerate, under which the
+    unchanged script computes Accelerate's numbers (the rate ends at 0); the default (unison's numbers,
+    each line once, on rank 0 only); split_batches=True (no scheduler line)."""
+    launch_ok(WORKERS / "numerics_worker.py", 2, tmp_path, launch_args=["--numerics", "accelerate"])
     ranks = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in (0, 1)]
     for rank, record in enumerate(ranks):
+        assert record["exported"] == "accelerate"
         default, switched = record["default"], record["env_accelerate"]
         assert default["numerics"] == "unison" and switched["numerics"] == "accelerate"
         assert default["distance_to_unison"] <= TOLERANCE < default["distance_to_accelerate"], default
@@ -158,3 +160,12 @@ def test_two_processes(tmp_path):
             assert _kinds(record["split_batches_lines"]) == ["window"], record["split_batches_lines"]
         else:
             assert default["lines"] == [] and record["split_batches_lines"] == []
+
+
+def test_the_launch_flag_refuses_a_bad_value_before_any_worker_starts(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text("raise SystemExit('a worker started')\n")
+    result = launch(script, 1, launch_args=["--numerics", "acclerate"], timeout=60)
+    assert result.returncode == 2, describe(result)
+    assert "--numerics='acclerate' is not a numerics convention" in result.stderr, describe(result)
+    assert "a worker started" not in result.stderr + result.stdout

@@ -65,6 +65,7 @@ class LaunchOptions:
     dynamo_backend: str | None = None  # --dynamo-backend: torch.compile at prepare() (parallel/compiling.py)
     dynamo_mode: str | None = None
     peak_flops: float | None = None  # --peak-flops: one device's FLOP/s for MFU (launch_env.PEAK_FLOPS)
+    numerics: str | None = None  # --numerics: unison or accelerate (launch_env.NUMERICS, numerics.py)
 
 
 def usable_cpu_count() -> int:

@@ -294,6 +294,8 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
             env[launch_env.DEBUG] = "1"
         if options.peak_flops is not None:
             env[launch_env.PEAK_FLOPS] = repr(float(options.peak_flops))
+        if options.numerics is not None:
+            env[launch_env.NUMERICS] = options.numerics
         env.update(compile_variables(options))
         if sources is not None:
             env[launch_env.CONFIG_SOURCES] = sources

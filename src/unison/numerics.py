@@ -31,9 +31,12 @@ SHORT_WINDOW = "short_window"
 SCHEDULER_STEPS = "scheduler_steps"
 
 
-def _check(value: object, where: str) -> str:
+def check_numerics(value: object, where: str) -> str:
+    """`value` as "unison" or "accelerate" (any case); else ValueError naming `where`, value, choices."""
     if not isinstance(value, str) or value.strip().lower() not in CHOICES:
-        example = "numerics='accelerate'" if where == "numerics" else f"export {where}=accelerate"
+        example = {"numerics": "numerics='accelerate'", "--numerics": "--numerics accelerate"}.get(
+            where, f"export {where}=accelerate"
+        )
         raise ValueError(
             f"{where}={value!r} is not a numerics convention: choose 'unison' (the default: a short "
             "accumulation window averaged over its own micro-batches, the scheduler stepped once per "
@@ -50,10 +53,10 @@ def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
     wins over it, as every Accelerator argument wins over its UNISON_* variable (launch_env).
     """
     raw = os.environ.get(launch_env.NUMERICS)
-    exported = _check(raw, launch_env.NUMERICS) if raw is not None and raw.strip() else None
+    exported = check_numerics(raw, launch_env.NUMERICS) if raw is not None and raw.strip() else None
     if numerics is None:
         return exported or UNISON, None
-    chosen = _check(numerics, "numerics")
+    chosen = check_numerics(numerics, "numerics")
     if exported is not None and exported != chosen:
         return chosen, (
             f"Accelerator(numerics={chosen!r}) overrides {launch_env.NUMERICS}={exported}: the argument in "

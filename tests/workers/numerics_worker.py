@@ -7,8 +7,9 @@ epoch ends with a one-micro-batch window), 3 epochs, AdamW and a linear schedule
 transformers' *_no_trainer scripts size it (warmup and length times num_processes, because Accelerate
 steps it num_processes times per optimizer step).
 
-Usage: numerics_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json with, per run, the largest
-parameter distance to each reference, the final learning rate and the unison warning lines it logged.
+Usage: unison launch --numerics accelerate numerics_worker.py OUT_DIR. Each rank writes
+OUT_DIR/rank{R}.json with, per run, the largest parameter distance to each reference, the final
+learning rate and the unison warning lines it logged.
 """
 
 from __future__ import annotations
@@ -150,13 +151,14 @@ def summary(run: dict, num_processes: int) -> dict:
 
 
 def main() -> None:
-    """Default, UNISON_NUMERICS=accelerate on the unchanged script, and split_batches=True (one step per
-    optimizer step in both conventions, so no scheduler line) in one launch."""
+    """Launched with `--numerics accelerate`: the unchanged script under the variable the launcher
+    exported (Accelerate's numbers); then, the variable removed, the default (unison's), and
+    split_batches=True (one scheduler step per optimizer step in both conventions: no scheduler line)."""
     out_dir = Path(sys.argv[1])
-    record = {"default": summary(train(), 2)}
-    os.environ["UNISON_NUMERICS"] = "accelerate"
+    record = {"exported": os.environ.get("UNISON_NUMERICS")}
     record["env_accelerate"] = summary(train(), 2)
     del os.environ["UNISON_NUMERICS"]
+    record["default"] = summary(train(), 2)
     split = train(epochs=1, split_batches=True)
     record["split_batches_lines"] = split["lines"]
     rank = int(os.environ["RANK"])

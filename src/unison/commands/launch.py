@@ -8,6 +8,7 @@ from .. import launch_env
 from ..launch_config import ConfigError
 from ..launch_options import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions
 from ..launcher import launch
+from ..numerics import check_numerics
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from ..throughput import check_peak_flops
 from .launch_config_flags import add_config_flag, apply_config_file, file_note
@@ -31,6 +32,7 @@ _VARIABLES = [
     (f"{launch_env.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
     (f"{launch_env.DYNAMO_MODE}=MODE", "--dynamo-mode"),
     (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
+    (f"{launch_env.NUMERICS}=unison|accelerate", "--numerics"),
     (f"{launch_env.PEAK_FLOPS}=FLOPS", "--peak-flops (read by unison.throughput.peak_flops)"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
@@ -189,6 +191,14 @@ def register(subcommands: argparse._SubParsersAction) -> None:
         help="one device's peak FLOP/s, e.g. 1e12, for the MFU of scripts that report it (throughput."
         "peak_flops) where unison's table has none: a CPU or an unlisted GPU",
     )
+    training.add_argument(
+        "--numerics",
+        type=_numerics,
+        default=None,
+        metavar="CONVENTION",
+        help="whose numbers where unison and Accelerate deliberately differ (a short accumulation window, "
+        "the scheduler on several processes): unison (default) or accelerate",
+    )
     add_plugin_flags(parser)
     add_config_flag(parser)
     parser.add_argument(
@@ -203,6 +213,14 @@ def _peak_flops(text: str) -> float:
     """--peak-flops: a positive number of FLOP/s, checked here so a typo fails before any worker starts."""
     try:
         return check_peak_flops(text, "--peak-flops")
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def _numerics(text: str) -> str:
+    """--numerics: unison or accelerate, checked here so a typo fails before any worker starts."""
+    try:
+        return check_numerics(text, "--numerics")
     except ValueError as error:
         raise argparse.ArgumentTypeError(str(error)) from None
 
@@ -241,6 +259,7 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         "dynamo_backend": args.dynamo_backend,
         "dynamo_mode": args.dynamo_mode,
         "peak_flops": args.peak_flops,
+        "numerics": args.numerics,
     }
     return LaunchOptions(
         script=args.script,
