@@ -206,6 +206,7 @@ def test_accelerator_arguments_and_plugins_must_agree(monkeypatch):
         ParallelismConfig(zero_stage=2),
         "bf16",
         4,
+        plugin,
     )
     monkeypatch.setenv(launch_env.PLUGIN, '{"fsdp": {"sharding_strategy": "HYBRID_SHARD"}}')
     assert resolve_plugins((None, None, None), None, None, None)[0] == ParallelismConfig(
@@ -319,3 +320,20 @@ def test_a_plugins_run_equals_the_one_process_reference(tmp_path, mode, nproc, l
     assert (record["layout"], record["zero_blocks"], record["accumulation"]) == (layout, blocks, 2)
     assert record["dtensor_params"] and record["sharded_blocks"] == 2  # FSDP2 shards, one unit per Block
     assert record["optimizer_steps"] == 3 and record["max_difference"] < 1e-6, record
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_the_state_shows_the_plugin_in_use_as_accelerates_does(monkeypatch):
+    """transformers' *_no_trainer scripts read accelerator.state.deepspeed_plugin: None without one."""
+    accelerator = Accelerator(cpu=True)
+    state = accelerator.state
+    assert [state.fsdp_plugin, state.deepspeed_plugin, state.megatron_lm_plugin] == [None] * 3
+    assert accelerator.deepspeed_plugin is None
+    plugin = DeepSpeedPlugin(zero_stage=2)
+    accelerator = Accelerator(cpu=True, deepspeed_plugin=plugin)
+    assert accelerator.deepspeed_plugin is plugin and accelerator.state.deepspeed_plugin is plugin
+    assert accelerator.state.fsdp_plugin is None
+    monkeypatch.setenv(launch_env.PLUGIN, '{"fsdp": {"sharding_strategy": "FULL_SHARD"}}')  # --use_fsdp
+    accelerator = Accelerator(cpu=True)
+    assert isinstance(accelerator.state.fsdp_plugin, FullyShardedDataParallelPlugin)
+    assert accelerator.state.deepspeed_plugin is None

@@ -126,7 +126,7 @@ class Accelerator(
         check_convert_outputs(convert_outputs_to_fp32)  # before any state exists, on every process
         numerics, overridden = resolve_numerics(numerics)  # a bad value fails here, on every process
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
-        parallelism, mixed_precision, gradient_accumulation_steps = resolve_plugins(
+        parallelism, mixed_precision, gradient_accumulation_steps, plugin = resolve_plugins(
             (fsdp_plugin, deepspeed_plugin, deepspeed_plugins),
             parallelism,
             mixed_precision,
@@ -154,6 +154,8 @@ class Accelerator(
         if timeout is None and InitProcessGroupKwargs in handlers:
             timeout = handlers[InitProcessGroupKwargs].timeout
         self.state = AcceleratorState(mixed_precision=mixed_precision, cpu=cpu, timeout=timeout)
+        self.state.fsdp_plugin = plugin if isinstance(plugin, FullyShardedDataParallelPlugin) else None
+        self.state.deepspeed_plugin = plugin if isinstance(plugin, DeepSpeedPlugin) else None
         check_process_group_kwargs(
             handlers.get(InitProcessGroupKwargs), self.state.backend, self.state.device
         )
@@ -256,6 +258,11 @@ class Accelerator(
     def numerics(self) -> str:
         """Whose numbers this run computes where unison and Accelerate differ: "unison" or "accelerate"."""
         return self._numerics.numerics
+
+    @property
+    def deepspeed_plugin(self) -> DeepSpeedPlugin | None:
+        """The DeepSpeedPlugin this run was given (run on torch's engines), else None, as Accelerate's."""
+        return self.state.deepspeed_plugin
 
     @property
     def project_dir(self) -> str | None:

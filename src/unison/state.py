@@ -526,7 +526,12 @@ MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
 
 
 class AcceleratorState:
-    """PartialState plus the training settings of the process's Accelerator (one set per process)."""
+    """PartialState plus the training settings of the process's Accelerator (one set per process).
+
+    `fsdp_plugin` / `deepspeed_plugin`: the plugin object the latest Accelerator was given (in code or by
+    `unison launch --use_fsdp ...`) and runs on torch's engines, as Accelerate's state shows it (the
+    Accelerator sets them); None without one. `megatron_lm_plugin` is always None (Megatron-LM is not run).
+    """
 
     _shared_state: dict[str, Any] = {}
 
@@ -551,6 +556,9 @@ class AcceleratorState:
         if mixed_precision is None:
             mixed_precision = validate_mixed_precision(launch_env.env_str(launch_env.MIXED_PRECISION, "no"))
         self.mixed_precision = mixed_precision
+        self.fsdp_plugin: Any = None
+        self.deepspeed_plugin: Any = None
+        self.megatron_lm_plugin: Any = None
         self.initialized = True
 
     def __getattr__(self, name: str) -> Any:

@@ -76,10 +76,17 @@ def resolve_plugins(
     parallelism: ParallelismConfig | str | None,
     mixed_precision: str | None,
     gradient_accumulation_steps: int | None,
-) -> tuple[ParallelismConfig | str | None, str | None, int | None]:
+) -> tuple[
+    ParallelismConfig | str | None,
+    str | None,
+    int | None,
+    FullyShardedDataParallelPlugin | DeepSpeedPlugin | None,
+]:
     """The Accelerator's parallelism, mixed_precision and gradient_accumulation_steps once its plugins
     (fsdp_plugin, deepspeed_plugin, deepspeed_plugins) are read; with none given in code and no
-    parallelism= either, the plugin `unison launch --use_fsdp ...` exported in UNISON_PLUGIN.
+    parallelism= either, the plugin `unison launch --use_fsdp ...` exported in UNISON_PLUGIN. Last, the
+    plugin read (None without one): the state shows it as Accelerate's `state.fsdp_plugin` /
+    `state.deepspeed_plugin`.
 
     A plugin and an explicit argument that ask for different things are refused, naming both; what the
     plugin leaves open stays the argument's (or the launcher's variables', later).
@@ -100,13 +107,14 @@ def resolve_plugins(
         fsdp_plugin, deepspeed_plugin, deepspeed_plugins, layout.world_size, layout.local_world_size
     )
     if asked is None:
-        return parallelism, mixed_precision, gradient_accumulation_steps
+        return parallelism, mixed_precision, gradient_accumulation_steps, None
     return (
         asked.parallelism,
         _agreeing("mixed_precision", mixed_precision, asked.mixed_precision),
         _agreeing(
             "gradient_accumulation_steps", gradient_accumulation_steps, asked.gradient_accumulation_steps
         ),
+        fsdp_plugin if fsdp_plugin is not None else deepspeed_plugin,
     )
 
 
