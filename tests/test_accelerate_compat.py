@@ -4,7 +4,9 @@ under `unison launch` with only its imports changed, and matches a single-proces
 from __future__ import annotations
 
 import json
+import logging
 import pickle
+import re
 import shutil
 import warnings
 from pathlib import Path
@@ -14,6 +16,7 @@ import torch
 from launching import WORKERS, describe, launch, launch_ok
 
 import unison
+import unison.logging
 import unison.utils
 from unison import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
 from unison.state import DistributedType
@@ -465,3 +468,15 @@ def test_prepare_returns_what_it_prepared_already_and_refuses_what_it_replaced()
     other = Accelerator(cpu=True)
     assert other.prepare(prepared[2]) is prepared[2] and other._dataloaders == [prepared[2]]
     assert [batch.tolist() for batch in prepared[2]] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+def test_the_library_logs_under_unison_and_get_logger_under_the_callers_name():
+    """What the migration guide tells a script that looks loggers up by name: unison's own messages all
+    go to logging.getLogger("unison") (none to "accelerate": that logger would be a lie about the module),
+    and get_logger(__name__) wraps the caller's own logger, as Accelerate's does."""
+    names = set()
+    for path in Path(unison.__file__).parent.rglob("*.py"):
+        names.update(re.findall(r"getLogger\(([^)]*)\)", path.read_text()))
+    assert names == {'"unison"', "name", ""}, names  # "name": get_logger's argument; "": the root's level
+    adapter = unison.logging.get_logger(__name__)
+    assert adapter.logger is logging.getLogger(__name__)
