@@ -70,7 +70,7 @@ class PreparationMethods:
 
         Models are prepared before optimizers, and optimizers before schedulers, whatever the order
         given, because each needs the one before it. An object prepare() returned comes back as it is
-        (as in Accelerate); the object it replaced is refused (see `_check_preparable`).
+        (as in Accelerate); the object it replaced is refused with a ValueError.
         """
         if device_placement is None:
             device_placement = [self.device_placement] * len(objects)
