@@ -30,7 +30,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import unison
-from unison import Accelerator, PartialState
+from unison import Accelerator
 from unison.utils import (
     DataLoaderConfiguration,
     DDPCommunicationHookType,
@@ -386,7 +386,9 @@ def main() -> None:
         p.name for p in out_dir.iterdir() if p.name.startswith(("own_", ".own"))
     )
     accelerator.wait_for_everyone()
-    PartialState().destroy_process_group()
+    state = accelerator.state  # as Accelerate's test scripts end: the shared state reset, then the group
+    unison.AcceleratorState._reset_state()  # ended through the state object kept
+    state.destroy_process_group()
     record["destroyed"] = not dist.is_initialized()
     (out_dir / f"rank{rank}.json").write_text(json.dumps(record))
 
