@@ -55,9 +55,9 @@ SCRIPTS = {
     "test_script.py": (2, 3),
     "test_ops.py": (2, 3),
     "test_sync.py": (2, 3),
-    "test_distributed_data_loop.py": (2,),
     "test_ddp_comm_hook.py": (2, 3),
     "test_notebook.py": (2, 3),
+    "test_distributed_data_loop.py": (2,),
 }
 PLAIN_PYTHON = {"test_notebook.py"}
 # Where a name of an accelerate module is looked for in unison, first match wins.
@@ -91,7 +91,10 @@ def _h_case(_h_src, _h_fn, *args, **kwargs):
         return None
     parts = [_h_repr(a) for a in args] + ["%s=%s" % (k, _h_repr(v)) for k, v in kwargs.items()]
     name = "%s(%s)" % (_h_src, ", ".join(parts))
-    _h_write(event="start", index=index, name=name)
+    import torch.distributed as dist
+
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    _h_write(event="start", index=index, name=name, world=world)
     try:
         result = _h_fn(*args, **kwargs)
     except BaseException as error:
@@ -186,7 +189,7 @@ def _command(lib: str, script: Path, nproc: int) -> list[str]:
         return [python, str(script)]
     if lib == "accelerate":
         # `accelerate launch --num_processes N --cpu` starts one process (it wants --multi_gpu for
-        # more); torchrun starts N, and Accelerate reads them as MULTI_CPU.
+        # more); torchrun starts N, which Accelerate joins as MULTI_CPU given ACCELERATE_USE_CPU.
         return [
             python,
             "-m",
@@ -197,6 +200,16 @@ def _command(lib: str, script: Path, nproc: int) -> list[str]:
             str(script),
         ]
     return [python, "-m", "unison", "launch", "--nproc-per-node", str(nproc), "--cpu", str(script)]
+
+
+def _kill_copies(script: Path) -> None:
+    """Kill every process running this copy (the launcher's workers may sit in sessions of their own)."""
+    for proc_dir in Path("/proc").glob("[0-9]*"):
+        try:
+            if str(script) in (proc_dir / "cmdline").read_bytes().decode(errors="replace"):
+                os.kill(int(proc_dir.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            continue
 
 
 def _read_rows(run_dir: Path) -> dict[str, list[dict]]:
@@ -214,26 +227,30 @@ def run_cases(lib: str, script: Path, nproc: int, numerics: str | None, timeout:
     while True:
         run_dir = Path(tempfile.mkdtemp(prefix="acc_h_"))
         env = dict(os.environ, HARNESS_DIR=str(run_dir), HARNESS_START=str(start), OMP_NUM_THREADS="1")
-        env["ACCELERATE_NUM_PROCESSES"] = str(nproc)
+        env["ACCELERATE_NUM_PROCESSES"] = str(nproc)  # test_notebook's process count
+        env["ACCELERATE_USE_CPU"] = "true"  # what `accelerate launch --cpu` exports: else one process each
         env.pop("UNISON_NUMERICS", None)
         if numerics:
             env["UNISON_NUMERICS"] = numerics
         began = time.perf_counter()
-        proc = subprocess.Popen(
-            _command(lib, script, nproc),
-            cwd=script.parent,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            output, _ = proc.communicate(timeout=timeout)
-            hung = False
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            output, _ = proc.communicate()
-            hung = True
+        with open(run_dir / "output", "wb") as out:
+            proc = subprocess.Popen(
+                _command(lib, script, nproc),
+                cwd=script.parent,
+                env=env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+            try:
+                proc.wait(timeout=timeout)
+                hung = False
+            except subprocess.TimeoutExpired:
+                _kill_copies(script)
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+                hung = True
+        output = (run_dir / "output").read_bytes()
         seconds += time.perf_counter() - began
         launches += 1
         log.write(
@@ -264,6 +281,9 @@ def run_cases(lib: str, script: Path, nproc: int, numerics: str | None, timeout:
             cases.append({"index": index, "name": entry["name"], "passed": False, "error": reason})
             failed_at = index
             break
+        worlds = {e["world"] for entry in by_index.values() for e in entry["events"] if "world" in e}
+        if script.name not in PLAIN_PYTHON and worlds and max(worlds) != nproc:
+            raise RuntimeError(f"{lib} ran {script.name} in process groups of {sorted(worlds)}, not {nproc}")
         if failed_at is None:
             if proc.returncode != 0 or hung:
                 note = f"exit {proc.returncode} outside any case after {len(cases)} cases" + (
@@ -276,13 +296,31 @@ def run_cases(lib: str, script: Path, nproc: int, numerics: str | None, timeout:
     return {"cases": cases, "launches": launches, "seconds": round(seconds, 1), "note": note}
 
 
+def _write(out: str, version: str, results: list[dict]) -> None:
+    """The JSON report, rewritten after each row so that an interrupted run keeps what it measured."""
+    total = {key: sum(r["counts"][key] for r in results) for key in results[0]["counts"]} if results else {}
+    report = {
+        "what": "Accelerate's test scripts: cases passing on Accelerate and, of those, on unison",
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
+        "accelerate": version,
+        "torch": subprocess.run(
+            [sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+        ).stdout.strip(),
+        "total": total,
+        "results": results,
+    }
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(json.dumps(report, indent=1) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scripts", nargs="*", default=list(SCRIPTS), help="script file names")
     parser.add_argument(
         "--nprocs", nargs="*", type=int, default=None, help="process counts (default: per script)"
     )
-    parser.add_argument("--timeout", type=float, default=300.0, help="seconds before a launch counts as hung")
+    parser.add_argument("--timeout", type=float, default=120.0, help="seconds before a launch counts as hung")
     parser.add_argument("--out", default=str(ROOT / "benchmarks/results/accelerate_test_scripts.json"))
     parser.add_argument("--log", default="/tmp/accelerate_test_scripts.log", help="every launch's output")
     args = parser.parse_args()
@@ -338,6 +376,7 @@ def main() -> None:
                     },
                 }
                 results.append(row)
+                _write(args.out, version, results)
                 counts = row["counts"]
                 print(
                     f"{name:32s} {nproc}  cases {counts['cases']:3d}  accelerate {counts['accelerate']:3d}  "
@@ -369,19 +408,7 @@ def main() -> None:
         for c in r["unison"]["cases"]:
             if not c["passed"] and c["name"] in passed_acc:
                 print(f"  {r['script']} x{r['nproc']}: {c['name']}: {c['error'][:160]}")
-    report = {
-        "what": "Accelerate's test scripts: cases passing on Accelerate and, of those, on unison",
-        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "machine": f"{platform.machine()}, {os.cpu_count()} cores",
-        "accelerate": version,
-        "torch": subprocess.run(
-            [sys.executable, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
-        ).stdout.strip(),
-        "total": total,
-        "results": results,
-    }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(report, indent=1) + "\n")
+    _write(args.out, version, results)
     print(f"\nwrote {args.out}; every launch's output in {args.log}")
 
 
