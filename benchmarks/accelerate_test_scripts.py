@@ -84,6 +84,12 @@ def _h_repr(value):
     return getattr(value, "__name__", type(value).__name__)
 
 
+def _h_world():
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
 def _h_case(_h_src, _h_fn, *args, **kwargs):
     index = _h_index[0]
     _h_index[0] += 1
@@ -91,10 +97,7 @@ def _h_case(_h_src, _h_fn, *args, **kwargs):
         return None
     parts = [_h_repr(a) for a in args] + ["%s=%s" % (k, _h_repr(v)) for k, v in kwargs.items()]
     name = "%s(%s)" % (_h_src, ", ".join(parts))
-    import torch.distributed as dist
-
-    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    _h_write(event="start", index=index, name=name, world=world)
+    _h_write(event="start", index=index, name=name, world=_h_world())
     try:
         result = _h_fn(*args, **kwargs)
     except BaseException as error:
@@ -103,8 +106,31 @@ def _h_case(_h_src, _h_fn, *args, **kwargs):
         _h_sys.stdout.flush()
         _h_sys.stderr.flush()
         _h_os._exit(1)
-    _h_write(event="pass", index=index, name=name)
+    _h_write(event="pass", index=index, name=name, world=_h_world())
     return result
+"""
+
+
+# In the unison copy, Accelerate's test helpers (accelerate.test_utils) use unison too: a helper such
+# as are_the_same_tensors calls AcceleratorState() and gather, which would otherwise ask Accelerate's
+# never-initialised state. Each name a test_utils module took from accelerate is rebound to unison's.
+REBIND = f"""
+def _h_rebind():
+    import importlib, sys
+    modules = [importlib.import_module(m) for m in {UNISON_MODULES!r}]
+    for module_name, module in list(sys.modules.items()):
+        if module is None or not module_name.startswith("accelerate.test_utils"):
+            continue
+        for attr, value in list(vars(module).items()):
+            origin = getattr(value, "__module__", None) or ""
+            if origin.startswith("accelerate") and not origin.startswith("accelerate.test_utils"):
+                for unison_module in modules:
+                    if hasattr(unison_module, attr):
+                        setattr(module, attr, getattr(unison_module, attr))
+                        break
+
+
+_h_rebind()
 """
 
 
@@ -178,8 +204,10 @@ def instrument(source: str, for_unison: bool) -> tuple[str, list[str]]:
     prelude_end = next(
         i for i, s in enumerate(tree.body) if not (isinstance(s, ast.ImportFrom) and s.module == "__future__")
     )
-    recorder = ast.parse(RECORDER).body
-    tree.body[prelude_end:prelude_end] = recorder
+    if for_unison:  # after the last top-level import
+        last_import = max(i for i, s in enumerate(tree.body) if isinstance(s, (ast.Import, ast.ImportFrom)))
+        tree.body[last_import + 1 : last_import + 1] = ast.parse(REBIND).body
+    tree.body[prelude_end:prelude_end] = ast.parse(RECORDER).body
     return ast.unparse(tree) + "\n", missing
 
 
@@ -282,6 +310,7 @@ def run_cases(lib: str, script: Path, nproc: int, numerics: str | None, timeout:
             failed_at = index
             break
         worlds = {e["world"] for entry in by_index.values() for e in entry["events"] if "world" in e}
+        worlds = worlds if len(worlds) <= 1 else worlds - {1}  # 1: before the script's first Accelerator
         if script.name not in PLAIN_PYTHON and worlds and max(worlds) != nproc:
             raise RuntimeError(f"{lib} ran {script.name} in process groups of {sorted(worlds)}, not {nproc}")
         if failed_at is None:
