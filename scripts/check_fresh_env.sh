@@ -66,6 +66,13 @@ fi
 grep -q "pip install 'unison\[plot\]'" "$workdir/plot.log" \
   || { cat "$workdir/plot.log"; echo "[fresh env] FAILED: unison plot did not name its extra"; exit 1; }
 echo "[fresh env] unison plot without matplotlib names the extra: ok"
+# The plot command the example printed, run as printed: it installs the plot extra first, then draws.
+plot_command="$(sed -n 's/.*plot them: //p' "$workdir/example.log")"
+began=$SECONDS
+(cd "$checkout" && PATH="$workdir/venv/bin:$PATH" bash -c "$plot_command" > "$workdir/plot.log" 2>&1) \
+  && grep -q "wrote $workdir/run/loss.png" "$workdir/plot.log" \
+  || { cat "$workdir/plot.log"; echo "[fresh env] FAILED: the example's printed plot command: $plot_command"; exit 1; }
+echo "[fresh env] the example's printed plot command installs the plot extra and draws: ok ($((SECONDS - began)) s)"
 # unison.toml is read with the standard library (no extra); writing one needs tomli-w (the config extra).
 mkdir "$workdir/project" && printf 'mixed_precision = "bf16"\n' > "$workdir/project/unison.toml"
 (cd "$workdir/project" && "$workdir/venv/bin/unison" env > "$workdir/env.log" 2>&1) \

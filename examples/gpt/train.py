@@ -318,8 +318,8 @@ def main() -> None:
             f"epochs in all) in {elapsed:.1f} s"
         )
         accelerator.print(
-            f"metrics in {metrics}; plot them: unison plot {args.project_dir} --metric loss "
-            f"--metric val_loss -o {args.project_dir}/loss.png"
+            f"metrics in {metrics}; plot them: pip install 'unison[plot]' && unison plot {args.project_dir} "
+            f"--metric loss --metric val_loss -o {args.project_dir}/loss.png"
         )
 
     # ---- a sample from the trained model, written by the main process. The weights are gathered into
