@@ -7,7 +7,7 @@ For each mode (none, full, selective:2, selective op-level) the same model (exam
 same seed) is prepared by `Accelerator(activation_checkpointing=MODE)`, and:
 
 1. Memory: the bytes one forward leaves saved for backward, measured exactly with
-   torch.autograd.graph.saved_tensors_hooks (unison.activation_memory.measure_saved_activations), beside
+   torch.autograd.graph.saved_tensors_hooks (planning.activation_memory.measure_saved_activations), beside
    the estimate of `unison estimate-memory --activation-checkpointing MODE` split as activation_parts
    gives it (kept after forward; rebuilt at once in backward). Reported: measured/estimated kept, and
    saved/none (the fraction of the activations kept).
@@ -37,9 +37,9 @@ from machine import describe_machine  # noqa: E402  (benchmarks/, the script's o
 from model import GPT, GPTConfig  # noqa: E402
 
 from unison import Accelerator  # noqa: E402
-from unison.activation_memory import activation_parts, measure_saved_activations  # noqa: E402
-from unison.memory import inspect_model  # noqa: E402
 from unison.parallel.blocks import find_blocks  # noqa: E402
+from unison.planning.activation_memory import activation_parts, measure_saved_activations  # noqa: E402
+from unison.planning.memory import inspect_model  # noqa: E402
 
 MODES = ("none", "full", "selective:2", "selective:op")
 

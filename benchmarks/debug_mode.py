@@ -35,7 +35,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from machine import describe_machine  # noqa: E402
 
-from unison import PartialState, ops, position  # noqa: E402
+from unison import PartialState, ops  # noqa: E402
+from unison.health import position
 
 
 def parse_args() -> argparse.Namespace:

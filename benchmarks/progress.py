@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 from unison import Accelerator, ProjectConfiguration
-from unison.progress import progress
+from unison.observing.progress import progress
 
 STEPS, ROUNDS = 2000, 7
 DEMO_STEP_MS = 180.0  # the GPT demo's step on the 2-core machine (README, command 1)

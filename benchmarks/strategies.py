@@ -51,8 +51,8 @@ from machine import describe_machine  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 from unison import Accelerator, PartialState  # noqa: E402
-from unison.memory import PRECISIONS, model_state_bytes  # noqa: E402
 from unison.parallel.pipeline import PipelineModel, pipeline_bubble_fraction  # noqa: E402
+from unison.planning.memory import PRECISIONS, model_state_bytes  # noqa: E402
 
 GLOBAL_BATCH = 16  # sequences per optimizer step, every layout
 BLOCK = 64

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from unison import AcceleratorState, GradientState, PartialState, launch_env
+from unison import AcceleratorState, GradientState, PartialState, env_vars
 
 # In-process tests use tiny tensors: one thread avoids oversubscribing the 2-core CI machine (measured:
 # a reference run took 1-5 s with 2 threads under load, 15-30 ms with one).
@@ -25,7 +25,7 @@ _LAUNCHER_VARIABLES = (
     "LOCAL_RANK",
     "LOCAL_WORLD_SIZE",
     "SLURM_PROCID",
-    *launch_env.ALL,
+    *env_vars.ALL,
 )
 
 

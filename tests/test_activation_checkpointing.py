@@ -1,4 +1,4 @@
-"""Activation checkpointing (unison.parallel.checkpointing, unison.activation_memory).
+"""Activation checkpointing (unison.parallel.checkpointing, unison.planning.activation_memory).
 
 One launch of tests/workers/activation_checkpointing_worker.py (2 processes) checks DDP, ZeRO-2,
 ZeRO-3, TP 2 and PP 2 against the same layout without checkpointing, bit for bit, with the launch flag
@@ -16,12 +16,17 @@ import torch.nn.functional as F
 from launching import WORKERS, launch_ok
 from tiny_gpt import gpt_model
 
-from unison import Accelerator, launcher
-from unison.activation_memory import activation_parts, estimate_activation_bytes, measure_saved_activations
-from unison.memory import inspect_model
+from unison import Accelerator
+from unison.launching import launcher
 from unison.parallel.blocks import find_blocks
-from unison.parallel.checkpointing import normalize_mode
+from unison.parallel.checkpointing_modes import normalize_mode
 from unison.parallel.config import ParallelismConfig
+from unison.planning.activation_memory import (
+    activation_parts,
+    estimate_activation_bytes,
+    measure_saved_activations,
+)
+from unison.planning.memory import inspect_model
 
 # In-process tests build their own Accelerator: each starts from no process state (conftest).
 pytestmark = pytest.mark.usefixtures("fresh_state")
@@ -144,7 +149,7 @@ def test_estimate_memory_follows_the_mode():
 
 
 def test_checkpointed_blocks_keep_no_autocast_copies():
-    from unison.memory import estimate
+    from unison.planning.memory_table import estimate
 
     shape = inspect_model(_tiny())
     rows = {

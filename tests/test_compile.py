@@ -22,7 +22,7 @@ from launching import WORKERS, launch_ok
 from tiny_gpt import make_optimizer, make_tiny_gpt
 
 from unison import Accelerator
-from unison.launch_options import LaunchError, LaunchOptions, compile_variables
+from unison.launching.options import LaunchError, LaunchOptions, compile_variables
 from unison.utils import TorchDynamoPlugin
 
 TOLERANCE = 1e-6

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 from launching import REPO_ROOT, WORKERS, describe
 
-from unison.accelerate_config import AccelerateConfigError, map_accelerate
 from unison.commands.launch import options_from_args
 from unison.commands.launch_config_flags import apply_config_file
 from unison.commands.main import build_parser, main
-from unison.launch_config import ConfigError, read_config
+from unison.launching.accelerate_config import AccelerateConfigError, map_accelerate
+from unison.launching.config_file import ConfigError, read_config
 
 DATA = Path(__file__).parent / "data"
 WORKER = WORKERS / "config_worker.py"

@@ -1,4 +1,4 @@
-"""The step-time model (unison.cost_model): each term against its formula, computed here by hand, and the
+"""The step-time model (planning.cost_model): each term against its formula, computed here by hand, and the
 whole model against the throughput Narayanan et al. 2021 (Megatron-LM) published for their layouts."""
 
 from __future__ import annotations
@@ -7,7 +7,9 @@ import math
 
 import pytest
 
-from unison.cost_model import (
+from unison.parallel.config import ParallelismConfig
+from unison.parallel.pipeline_split import _balance
+from unison.planning.cost_model import (
     ACTIVATION_BYTES,
     DEFAULT_EFFICIENCY,
     DEVICES,
@@ -23,9 +25,7 @@ from unison.cost_model import (
     DeviceSpec,
     step_cost,
 )
-from unison.memory import ModelShape
-from unison.parallel.config import ParallelismConfig
-from unison.parallel.pipeline_split import _balance
+from unison.planning.memory import ModelShape
 
 A100 = DEVICES["a100-80gb"]
 SEQ, VOCAB = 2048, 51200

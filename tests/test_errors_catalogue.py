@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 from launching import REPO_ROOT, WORKERS, launch_ok
 
-from unison import launcher
 from unison.commands.main import main
+from unison.launching import launcher
 
 WORKER = WORKERS / "misuse_worker.py"
 CATALOGUE = REPO_ROOT / "docs" / "errors.md"

@@ -1,7 +1,7 @@
 """Hangs end with a diagnosis, not a timeout in silence (issue 13, section 1).
 
 Each test launches real processes (gloo on CPU) into a hang of the kind users meet and checks what the
-watchdog (src/unison/watchdog.py) reports: which rank waits in which collective, with its shapes and
+watchdog (src/unison/health/watchdog.py) reports: which rank waits in which collective, with its shapes and
 the line of the script, where the others are, every rank's Python stacks, and an end with exit code 1.
 """
 

@@ -30,7 +30,7 @@ LAUNCHER_IMPORTS = """
 import json, sys
 import unison
 import unison.commands.main
-import unison.launcher
+import unison.launching.launcher
 from torch.distributed import run
 print(json.dumps([name for name in {engines} if name in sys.modules]))
 """

@@ -15,8 +15,10 @@ import torch
 from launching import REPO_ROOT, describe, launch, launch_ok
 from torch.distributed import run as torchrun
 
-from unison import launch_env, launch_options, launcher
-from unison.launcher import LaunchError, LaunchOptions
+from unison import env_vars
+from unison.launching import launcher
+from unison.launching import options as launch_options
+from unison.launching.launcher import LaunchError, LaunchOptions
 
 WORKER = "tests/workers/launch_worker.py"
 
@@ -459,14 +461,14 @@ def test_a_worker_whose_launcher_is_already_gone_ends_at_once():
     `unison launch` exported, so the first PartialState ends the worker instead of letting it wait for the
     dead launcher's store (here the exported pid is simply not the parent's)."""
     script = "from unison import PartialState; PartialState(); print('still running')"
-    env = {**os.environ, "TORCHELASTIC_RUN_ID": "t", launch_env.LAUNCHER_PID: str(os.getpid() + 1_000_000)}
+    env = {**os.environ, "TORCHELASTIC_RUN_ID": "t", env_vars.LAUNCHER_PID: str(os.getpid() + 1_000_000)}
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     command = [sys.executable, "-c", script]
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 1 and "still running" not in result.stdout, describe(result)
     assert f"the launcher (pid {os.getpid() + 1_000_000}) is gone; this worker ends." in result.stderr
-    env[launch_env.LAUNCHER_PID] = str(os.getpid())  # the real parent: the worker goes on
+    env[env_vars.LAUNCHER_PID] = str(os.getpid())  # the real parent: the worker goes on
     result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "still running" in result.stdout, describe(result)
 

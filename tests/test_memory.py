@@ -1,4 +1,4 @@
-"""`unison.memory` and `unison estimate-memory`: the formulas against hand-computed bytes, meta builds."""
+"""`planning.memory` and `unison estimate-memory`: the formulas against hand-computed bytes, meta builds."""
 
 from __future__ import annotations
 
@@ -13,8 +13,8 @@ import torch
 import torch.nn as nn
 from launching import REPO_ROOT
 
-from unison import memory
 from unison.commands.main import build_parser
+from unison.planning import memory, memory_table
 
 FP32, BF16_MIXED, BF16 = memory.PRECISIONS
 
@@ -148,7 +148,7 @@ def test_non_transformer_gets_no_activation_estimate():
     mlp = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
     shape = memory.inspect_model(mlp)
     assert shape.parameters == 10 * 20 + 20 + 20 * 5 + 5 and shape.layers is None
-    result = memory.estimate(shape, devices=2, micro_batch_size=4, seq_len=8)
+    result = memory_table.estimate(shape, devices=2, micro_batch_size=4, seq_len=8)
     assert all(row.activations is None for row in result.rows)
     assert any("not recognised as a transformer" in note for note in result.notes)
     assert len(result.rows) == len(memory.PRECISIONS) * len(memory.STRATEGIES)
@@ -167,7 +167,9 @@ def test_7b_llama_like_builds_on_meta_instantly(tmp_path):
     assert shape.parameters == expected and 6.5e9 < expected < 7e9
     assert (shape.layers, shape.hidden, shape.vocab) == (32, 4096, 32000)
     row = next(
-        r for r in memory.estimate(shape, 8).rows if (r.precision, r.strategy) == ("bf16-mixed", "zero3")
+        r
+        for r in memory_table.estimate(shape, 8).rows
+        if (r.precision, r.strategy) == ("bf16-mixed", "zero3")
     )
     unit = 2 * vocab * hidden + hidden  # embedding, output layer and final norm: larger than a block
     assert shape.largest_unit == unit

@@ -23,7 +23,7 @@ from launching import REPO_ROOT
 
 import unison
 import unison.utils
-from unison import Accelerator, GradientState, PartialState, launch_env
+from unison import Accelerator, GradientState, PartialState, env_vars
 from unison.commands.main import build_parser
 
 PAGE = REPO_ROOT / "docs" / "migrating-from-accelerate.md"
@@ -489,7 +489,7 @@ def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
     import unittest.mock
 
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setenv(launch_env.CPU, "1")  # the CPU on any machine, as PartialState(cpu=True) asks
+    monkeypatch.setenv(env_vars.CPU, "1")  # the CPU on any machine, as PartialState(cpu=True) asks
     assert [line for line in ONE_LINERS if f"`{line}`" not in TEXT] == []
     accelerator = eval(ONE_LINERS[0])
     accelerator.project_configuration.set_directories(tmp_path / "project")

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from unison import launcher, network
-from unison.launcher import LaunchError
+from unison import network
+from unison.launching import launcher
+from unison.launching.launcher import LaunchError
 
 linux_only = pytest.mark.skipif(
     not sys.platform.startswith("linux"), reason="the interface lookup is Linux's"

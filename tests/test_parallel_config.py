@@ -8,8 +8,10 @@ import pytest
 import torch
 from launching import WORKERS, launch_ok
 
-from unison import Accelerator, DistributedType, launch_env, launch_options, launcher
-from unison.launcher import LaunchError, LaunchOptions
+from unison import Accelerator, DistributedType, env_vars
+from unison.launching import launcher
+from unison.launching import options as launch_options
+from unison.launching.launcher import LaunchError, LaunchOptions
 from unison.parallel.config import ParallelismConfig
 from unison.parallel.mesh import mesh_layout
 
@@ -187,7 +189,7 @@ def test_describe_and_plain_data_parallel():
 def test_single_process_accelerator(monkeypatch):
     accelerator = Accelerator(cpu=True)
     assert accelerator.parallelism == ParallelismConfig().validate(1) and accelerator.device_mesh is None
-    monkeypatch.setenv(launch_env.PARALLELISM, "tp_size=2")
+    monkeypatch.setenv(env_vars.PARALLELISM, "tp_size=2")
     with pytest.raises(ValueError, match="multiply to 2, but the world size is 1"):
         Accelerator(cpu=True)
     assert Accelerator(cpu=True, parallelism="ddp").parallelism.dp_replicate_size == 1  # code wins over env
@@ -195,8 +197,8 @@ def test_single_process_accelerator(monkeypatch):
 
 def test_launcher_exports_and_checks_parallelism(tmp_path):
     env = launcher.worker_environment(4, cpu=True, parallelism=" zero3 ")
-    assert env[launch_env.PARALLELISM] == "zero3"
-    assert launch_env.PARALLELISM not in launcher.worker_environment(4, cpu=True)
+    assert env[env_vars.PARALLELISM] == "zero3"
+    assert env_vars.PARALLELISM not in launcher.worker_environment(4, cpu=True)
     script = tmp_path / "train.py"
     script.write_text("")
     assert (
@@ -282,7 +284,7 @@ def test_auto_asks_the_planner_at_prepare_and_needs_the_model_first(fresh_state)
 
 def test_launch_accepts_auto_and_passes_it_to_the_workers():
     env = launcher.worker_environment(4, cpu=True, parallelism="Auto")
-    assert env[launch_env.PARALLELISM] == "Auto"
+    assert env[env_vars.PARALLELISM] == "Auto"
     launch_options._validate_parallelism("auto", 4, 1, 1)  # no degrees to check before the planner runs
     launch_options._validate_parallelism("auto:global_batch_size=64,seq_len=1024", 4, 1, 1)
     with pytest.raises(launcher.LaunchError, match="'batch' is not a fact the planner takes"):

@@ -1,4 +1,4 @@
-"""unison.plan_stages: the cost model's closed-form stage split is the pipeline's own split (its dynamic
+"""unison.planning.stages: the cost model's closed-form stage split is the pipeline's own split (its dynamic
 programme, unison.parallel.pipeline_split), block for block."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from unison.parallel.pipeline_split import _balance
-from unison.plan_stages import slowest_device_blocks, stage_blocks
+from unison.planning.stages import slowest_device_blocks, stage_blocks
 
 
 def pipeline_split(layers: int, stages: int, end_weight: float) -> list[int]:

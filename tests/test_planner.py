@@ -1,4 +1,4 @@
-"""`unison.planner` and `unison plan`: the guide's decision tree on a table of cases and on published layouts.
+"""`planning.planner` and `unison plan`: the decision tree on a table of cases and on published layouts.
 
 Models are built on the meta device (shapes only), from the example models the docs name as TARGETs
 (examples/llama/model.py, examples/gpt/model.py).
@@ -20,11 +20,11 @@ import torch.nn as nn
 from launching import REPO_ROOT
 from tiny_gpt import gpt_model, llama_model
 
-from unison import memory, planner
 from unison.commands.main import build_parser
-from unison.layout_memory import layout_memory
 from unison.parallel.config import ParallelismConfig
-from unison.planner import Hardware, PlanError, Workload, parse_memory
+from unison.planning import memory, planner
+from unison.planning.layout_memory import layout_memory
+from unison.planning.planner import Hardware, PlanError, Workload, parse_memory
 
 GiB = 2**30
 

@@ -19,10 +19,10 @@ from dataclasses import dataclass
 import pytest
 from test_planner_published import degrees, within_one_step
 
-from unison import planner
-from unison.cost_model import DEVICES
-from unison.memory import ModelShape
-from unison.planner import Hardware, Workload
+from unison.planning import planner
+from unison.planning.cost_model import DEVICES
+from unison.planning.memory import ModelShape
+from unison.planning.planner import Hardware, Workload
 
 
 @dataclass(frozen=True)

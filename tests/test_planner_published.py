@@ -16,10 +16,10 @@ from test_cost_model import MEGATRON_TABLE_1, SEQ, VOCAB, gpt
 from test_planner import _run_cli
 from tiny_gpt import gpt_model, llama_model
 
-from unison import planner
-from unison.cost_model import step_cost
-from unison.plan_speed import SAME_SPEED, device_spec
-from unison.planner import Hardware, Workload, parse_memory
+from unison.planning import planner
+from unison.planning.cost_model import step_cost
+from unison.planning.planner import Hardware, Workload, parse_memory
+from unison.planning.speed import SAME_SPEED, device_spec
 
 A100_NODE = 8
 

@@ -1,4 +1,4 @@
-"""`unison plot` and unison.plotting: runs logged by the real jsonl tracker, drawn, and the PNG read back
+"""`unison plot` and observing.plotting: runs logged by the real jsonl tracker, drawn, and the PNG read back
 to check that each run's curve is drawn, in its colour, where its values are."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 from launching import REPO_ROOT
 
-from unison import plotting
 from unison.commands.main import main
-from unison.tracking import JSONLinesTracker
+from unison.observing import plotting
+from unison.observing.tracking import JSONLinesTracker
 
 image = pytest.importorskip("matplotlib.image")
 colors = pytest.importorskip("matplotlib.colors")

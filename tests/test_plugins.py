@@ -15,10 +15,10 @@ import torch
 from launching import WORKERS, launch_ok
 from torch.distributed.fsdp import MixedPrecisionPolicy, ShardingStrategy
 
-from unison import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig, launch_env
+from unison import Accelerator, DeepSpeedPlugin, FullyShardedDataParallelPlugin, ParallelismConfig, env_vars
 from unison.commands.launch import options_from_args
 from unison.commands.main import build_parser
-from unison.launcher import LaunchError, validate
+from unison.launching.launcher import LaunchError, validate
 from unison.plugins import plugin_layout, read_plugin, resolve_plugins
 
 WORKER = WORKERS / "plugin_worker.py"
@@ -208,7 +208,7 @@ def test_accelerator_arguments_and_plugins_must_agree(monkeypatch):
         4,
         plugin,
     )
-    monkeypatch.setenv(launch_env.PLUGIN, '{"fsdp": {"sharding_strategy": "HYBRID_SHARD"}}')
+    monkeypatch.setenv(env_vars.PLUGIN, '{"fsdp": {"sharding_strategy": "HYBRID_SHARD"}}')
     assert resolve_plugins((None, None, None), None, None, None)[0] == ParallelismConfig(
         zero_stage=3, dp_shard_size=2
     )
@@ -222,7 +222,7 @@ def test_accelerator_arguments_and_plugins_must_agree(monkeypatch):
     assert resolve_plugins((None, None, None), None, None, None)[0] == ParallelismConfig(
         zero_stage=3, dp_shard_size=2
     )
-    monkeypatch.setenv(launch_env.PLUGIN, '{"megatron": {}}')
+    monkeypatch.setenv(env_vars.PLUGIN, '{"megatron": {}}')
     with pytest.raises(ValueError, match="UNISON_PLUGIN=.* is not a plugin as `unison launch` writes it"):
         resolve_plugins((None, None, None), None, None, None)
 
@@ -333,7 +333,7 @@ def test_the_state_shows_the_plugin_in_use_as_accelerates_does(monkeypatch):
     accelerator = Accelerator(cpu=True, deepspeed_plugin=plugin)
     assert accelerator.deepspeed_plugin is plugin and accelerator.state.deepspeed_plugin is plugin
     assert accelerator.state.fsdp_plugin is None
-    monkeypatch.setenv(launch_env.PLUGIN, '{"fsdp": {"sharding_strategy": "FULL_SHARD"}}')  # --use_fsdp
+    monkeypatch.setenv(env_vars.PLUGIN, '{"fsdp": {"sharding_strategy": "FULL_SHARD"}}')  # --use_fsdp
     accelerator = Accelerator(cpu=True)
     assert isinstance(accelerator.state.fsdp_plugin, FullyShardedDataParallelPlugin)
     assert accelerator.state.deepspeed_plugin is None

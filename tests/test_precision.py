@@ -235,7 +235,8 @@ def test_fp16_scaler_unscales_plain_and_dtensor_gradients_together():
             scaler.step(optimizer)
             scaler.update()
             moved = not torch.equal(sharded.detach().full_tensor(), before)
-            assert moved != overflow and (scaler.get_scale() < 4.0) == overflow, (overflow, scaler.get_scale())
+            scale = scaler.get_scale()
+            assert moved != overflow and (scale < 4.0) == overflow, (overflow, scale)
         dist.destroy_process_group()
         print("ok")
         """

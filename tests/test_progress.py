@@ -7,7 +7,7 @@ import io
 import pytest
 
 from unison import Accelerator
-from unison.progress import progress
+from unison.observing.progress import progress
 
 pytestmark = pytest.mark.usefixtures("fresh_state")
 

@@ -1,4 +1,4 @@
-"""unison.rendezvous: the one-node store binds its own port on loopback (no free-port race, no exposure),
+"""launching.rendezvous: the one-node store binds its own port on loopback (no free-port race, no exposure),
 and a rendezvous that cannot form ends `unison launch` with one line naming the endpoint and the fix."""
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torch.distributed.elastic.rendezvous import (
     rendezvous_handler_registry,
 )
 
-from unison import launcher, rendezvous
 from unison.commands.main import main
-from unison.launcher import LaunchOptions
+from unison.launching import launcher, rendezvous
+from unison.launching.launcher import LaunchOptions
 
 
 def _handler(endpoint: str):

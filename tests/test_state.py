@@ -8,7 +8,7 @@ import pytest
 import torch
 from launching import launch_ok
 
-from unison import Accelerator, InitProcessGroupKwargs, launch_env
+from unison import Accelerator, InitProcessGroupKwargs, env_vars
 from unison.state import BACKSTOP_SECONDS, AcceleratorState, DistributedType, PartialState, split_for_process
 
 WORKER = "tests/workers/state_worker.py"
@@ -32,7 +32,7 @@ def launched(request, tmp_path_factory):
         result = launch_ok(WORKER, nproc, out, "--explicit-timeout", "33", launch_args=["--timeout", "42"])
         expected_timeout = 33.0
     else:
-        result = launch_ok(WORKER, nproc, out, env={launch_env.TIMEOUT: "42"})
+        result = launch_ok(WORKER, nproc, out, env={env_vars.TIMEOUT: "42"})
         expected_timeout = 42.0
     records = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(nproc)]
     return nproc, records, result, expected_timeout
@@ -149,10 +149,10 @@ def test_single_process_state(fresh_state):
 @pytest.mark.parametrize("source", ["argument", "env"])
 def test_timeout_sources(fresh_state, monkeypatch, source):
     if source == "env":
-        monkeypatch.setenv(launch_env.TIMEOUT, "12.5")
+        monkeypatch.setenv(env_vars.TIMEOUT, "12.5")
         state = PartialState(cpu=True)
     else:
-        monkeypatch.setenv(launch_env.TIMEOUT, "99")  # the argument wins over the variable
+        monkeypatch.setenv(env_vars.TIMEOUT, "99")  # the argument wins over the variable
         state = PartialState(cpu=True, timeout=timedelta(seconds=12.5))
     assert state.timeout == timedelta(seconds=12.5)
     with pytest.raises(ValueError, match="conflicts"):
@@ -166,7 +166,7 @@ def test_timeout_sources(fresh_state, monkeypatch, source):
 )
 def test_bad_timeouts(fresh_state, monkeypatch, timeout, env, match):
     if env is not None:
-        monkeypatch.setenv(launch_env.TIMEOUT, env)
+        monkeypatch.setenv(env_vars.TIMEOUT, env)
     with pytest.raises(ValueError, match=match):
         PartialState(cpu=True, timeout=timeout)
 
@@ -186,11 +186,11 @@ def test_timeouts_that_are_no_number_of_seconds(fresh_state, timeout, error, mat
 
 
 def test_bad_launch_variables(fresh_state, monkeypatch):
-    monkeypatch.setenv(launch_env.CPU, "maybe")
+    monkeypatch.setenv(env_vars.CPU, "maybe")
     with pytest.raises(ValueError, match="UNISON_CPU='maybe'"):
         PartialState()
-    monkeypatch.setenv(launch_env.CPU, "1")
-    monkeypatch.setenv(launch_env.MIXED_PRECISION, "fp8")
+    monkeypatch.setenv(env_vars.CPU, "1")
+    monkeypatch.setenv(env_vars.MIXED_PRECISION, "fp8")
     with pytest.raises(ValueError, match="'fp8' is unknown"):
         AcceleratorState()
 
@@ -236,7 +236,7 @@ def test_a_reset_state_says_what_happened_when_the_accelerator_uses_it():
         accelerator.prepare(torch.nn.Linear(1, 1))
 
 
-@pytest.mark.parametrize("variable", [None, launch_env.DEBUG, "ACCELERATE_DEBUG_MODE"])
+@pytest.mark.parametrize("variable", [None, env_vars.DEBUG, "ACCELERATE_DEBUG_MODE"])
 def test_debug_starts_from_the_environment_and_is_switched_at_run_time(fresh_state, monkeypatch, variable):
     """`state.debug` is the switch the ops read (Accelerate's PartialState.debug): the launch flag or
     variable gives its first value, a script may set it later, through either state object."""

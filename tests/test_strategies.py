@@ -16,7 +16,7 @@ import subprocess
 import pytest
 from launching import WORKERS, launch_ok
 
-from unison.memory import PRECISIONS, model_state_bytes
+from unison.planning.memory import PRECISIONS, model_state_bytes
 
 # layout (a parallelism= string) -> (data-parallel memory formula, devices it divides by, model split):
 # tensor and pipeline parallel first divide the model by their degrees (the split), the data-parallel

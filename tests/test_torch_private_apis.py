@@ -1,6 +1,7 @@
 """The private torch APIs unison relies on, one test each, so a torch that changes one fails here by name.
 
-unison uses torch's public APIs except where only a private one does the job (the README lists them).
+unison uses torch's public APIs except where only a private one does the job (docs/torch-versions.md
+lists them).
 If a test here fails after a torch upgrade, the place named in its docstring is what to rewrite.
 """
 
@@ -106,12 +107,12 @@ def test_ddp_says_whether_its_forward_armed_the_backward_all_reduce():
 
 
 def test_a_group_counts_the_collectives_it_issued():
-    """unison.position.sequence_number reads ProcessGroup._get_sequence_number_for_group: the hang
+    """unison.health.position.sequence_number reads ProcessGroup._get_sequence_number_for_group: the hang
     watchdog tells ranks that diverged by it (0 before any collective, +1 per collective, on gloo)."""
     script = textwrap.dedent(
         """
         import torch, torch.distributed as dist
-        from unison.position import sequence_number
+        from unison.health.position import sequence_number
         dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
         before = dist.group.WORLD._get_sequence_number_for_group()
         dist.all_reduce(torch.ones(1))
@@ -175,7 +176,7 @@ def test_composable_checkpoint_keeps_names_and_takes_a_selective_context():
 
 
 def test_torch_dispatch_mode_base_class():
-    """unison.activation_memory counts the outputs selective checkpointing caches with a
+    """unison.planning.activation_memory counts the outputs selective checkpointing caches with a
     `torch.utils._python_dispatch.TorchDispatchMode` subclass."""
     from torch.utils._python_dispatch import TorchDispatchMode
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from unison import Accelerator
-from unison.tracking import GeneralTracker, LoggerType
+from unison.observing.tracking import GeneralTracker, LoggerType
 
 pytestmark = pytest.mark.usefixtures("fresh_state")
 
@@ -143,7 +143,7 @@ def test_tensorboard_event_files_hold_the_scalars_text_and_hyperparameters(tmp_p
 
 def test_a_tracker_whose_library_is_missing_names_the_extra(tmp_path, monkeypatch):
     for name in ("tensorboard", "mlflow", "wandb"):
-        monkeypatch.setitem(sys.modules, f"unison.tracking.{name}", None)  # as if not installed
+        monkeypatch.setitem(sys.modules, f"unison.observing.tracking.{name}", None)  # as if not installed
         with pytest.raises(ImportError, match=rf"pip install 'unison\[{name}\]'"):
             Accelerator(cpu=True, project_dir=tmp_path, log_with=name)
     assert Accelerator(cpu=True, log_with="all").log_with == [LoggerType.JSONL, LoggerType.CSV]

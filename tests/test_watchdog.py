@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from unison.position import Position, traceback_position
-from unison.watchdog import DIVERGENCE_CHECK_SECONDS, diagnosis, diverged
+from unison.health.position import Position, traceback_position
+from unison.health.watchdog import DIVERGENCE_CHECK_SECONDS, diagnosis, diverged
 
 
 def in_collective(

@@ -14,9 +14,9 @@ import torch.nn as nn
 from launching import WORKERS, launch_ok
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from unison.memory import PRECISIONS, model_state_bytes
 from unison.parallel.blocks import find_blocks
 from unison.parallel.zero import apply_zero, resolve_blocks, shard_optimizer_state
+from unison.planning.memory import PRECISIONS, model_state_bytes
 
 NPROC = 2
 

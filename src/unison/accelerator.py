@@ -21,7 +21,7 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader
 
-from . import launch_env, ops
+from . import env_vars, ops
 from .checkpoint import (
     ProjectConfiguration,
 )
@@ -46,22 +46,23 @@ from .kwargs_handlers import (
     sort_kwargs_handlers,
 )
 from .numerics import NumericsNotice, resolve_numerics
+from .observing.profiling import profile
+from .observing.tracking.base import GeneralTracker, LoggerType, resolve_log_with
+from .observing.tracking.methods import TrackingMethods
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
-from .parallel.checkpointing import normalize_mode, resolve_mode
+from .parallel.checkpointing import resolve_mode
+from .parallel.checkpointing_modes import normalize_mode
 from .parallel.compiling import TorchDynamoPlugin, resolve_dynamo_plugin
 from .parallel.config import ParallelismConfig, auto_options, is_auto
 from .parallel.ddp import check_data_parallel_devices, unwrap
 from .parallel.join import join_uneven_inputs
 from .parallel.mesh import build_device_mesh, data_parallel_mesh
 from .parallel.ranks import LayoutProperties
-from .planner import Plan
+from .planning.planner import Plan
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, resolve_plugins
 from .precision import PrecisionPolicy, check_convert_outputs
 from .preparation import PreparationMethods
-from .profiling import profile
 from .state import AcceleratorState, DistributedType, GradientState
-from .tracking.base import GeneralTracker, LoggerType, resolve_log_with
-from .tracking.methods import TrackingMethods
 from .training_step import TrainingStepMethods
 
 logger = logging.getLogger("unison")
@@ -87,7 +88,7 @@ class Accelerator(
     """Prepares model, optimizer, scheduler and data loaders for the processes this script runs in.
 
     Arguments left as None take their value from the `unison launch` flags (through the UNISON_*
-    environment variables of `unison.launch_env`), else the defaults below; arguments given in code
+    environment variables of `unison.env_vars`), else the defaults below; arguments given in code
     always win. `convert_outputs_to_fp32` (unison's): under mixed precision, True hands every floating
     output of a prepared model back in fp32 (Accelerate), False none, None (default) all but the logits
     of a model that returned its own loss (see PrecisionPolicy.outputs_to_fp32). `numerics` (unison's):
@@ -147,7 +148,7 @@ class Accelerator(
         )
         gradient_accumulation_steps = self.gradient_accumulation_plugin.num_steps
         if gradient_accumulation_steps is None:
-            gradient_accumulation_steps = launch_env.env_int(launch_env.GRADIENT_ACCUMULATION_STEPS, 1)
+            gradient_accumulation_steps = env_vars.env_int(env_vars.GRADIENT_ACCUMULATION_STEPS, 1)
         self.gradient_accumulation_steps = _validate_accumulation_steps(gradient_accumulation_steps)
         # torch.compile at prepare() (None: off); an unknown backend fails here, on every process
         self.dynamo_plugin = resolve_dynamo_plugin(dynamo_backend, dynamo_plugin)
@@ -196,7 +197,7 @@ class Accelerator(
         if project_dir is not None:
             self.project_configuration.set_directories(project_dir)
         if parallelism is None:
-            parallelism = launch_env.env_str(launch_env.PARALLELISM, "ddp")
+            parallelism = env_vars.env_str(env_vars.PARALLELISM, "ddp")
         normalize_mode(activation_checkpointing)  # a bad mode fails here, on every rank, before any work
         self._activation_checkpointing = activation_checkpointing  # see _set_layout
         self.plan: Plan | None = None  # the planner's verdict, when parallelism="auto"
@@ -224,7 +225,7 @@ class Accelerator(
     def _set_layout(self, config: ParallelismConfig) -> None:
         if config.legacy_data_parallel:
             check_data_parallel_devices(torch.cuda.device_count() if self.device.type == "cuda" else 0)
-        exported = launch_env.env_str(launch_env.ACTIVATION_CHECKPOINTING, "none")
+        exported = env_vars.env_str(env_vars.ACTIVATION_CHECKPOINTING, "none")
         config = resolve_mode(config, self._activation_checkpointing, exported).validate(config.total_size)
         self.parallelism = config
         self.device_mesh = build_device_mesh(config, self.device.type)
@@ -379,7 +380,15 @@ class Accelerator(
     ) -> contextlib.AbstractContextManager:
         """torch's Join over the DDP models while the prepared loaders run with `even_batches`, so
         processes with fewer batches do not hang the others (Accelerate's; see parallel/join.py)."""
-        return join_uneven_inputs(self, joinables, even_batches)
+        return join_uneven_inputs(
+            self._layout_needed("join_uneven_inputs()"),
+            self._dataloaders,
+            joinables,
+            even_batches,
+            default_even_batches=self.even_batches,
+            accumulation_steps=self.gradient_accumulation_steps,
+            sync_with_dataloader=self.gradient_accumulation_plugin.sync_with_dataloader,
+        )
 
     def profile(self, profile_handler: ProfileKwargs | None = None) -> contextlib.AbstractContextManager:
         """torch.profiler over the block, with `profile_handler` (default: the ProfileKwargs given in

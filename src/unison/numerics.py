@@ -11,7 +11,7 @@ Two conventions change numbers (docs/migrating-from-accelerate.md, "Deliberate d
 UNISON_NUMERICS=accelerate for a script left unchanged, gives Accelerate's, so a migrated script
 reproduces its Accelerate run. Under the default, `NumericsNotice.differs` says once per run and
 convention, on the main process, the first time a convention changes a number, naming the switch; it
-says nothing while the two agree. This module knows only the launch contract (launch_env) and logging.
+says nothing while the two agree. This module knows only the launch contract (env_vars) and logging.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import os
 
-from . import launch_env
+from . import env_vars
 
 logger = logging.getLogger("unison")
 
@@ -50,17 +50,17 @@ def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
     """The run's convention and, when the code overrides UNISON_NUMERICS, the line that says so.
 
     The variable is always read (and a bad value refused, on every process); a code argument given
-    wins over it, as every Accelerator argument wins over its UNISON_* variable (launch_env).
+    wins over it, as every Accelerator argument wins over its UNISON_* variable (env_vars).
     """
-    raw = os.environ.get(launch_env.NUMERICS)
-    exported = check_numerics(raw, launch_env.NUMERICS) if raw is not None and raw.strip() else None
+    raw = os.environ.get(env_vars.NUMERICS)
+    exported = check_numerics(raw, env_vars.NUMERICS) if raw is not None and raw.strip() else None
     if numerics is None:
         return exported or UNISON, None
     chosen = check_numerics(numerics, "numerics")
     if exported is not None and exported != chosen:
         return chosen, (
-            f"Accelerator(numerics={chosen!r}) overrides {launch_env.NUMERICS}={exported}: the argument in "
-            f"code wins. Remove it from the script to let {launch_env.NUMERICS} choose."
+            f"Accelerator(numerics={chosen!r}) overrides {env_vars.NUMERICS}={exported}: the argument in "
+            f"code wins. Remove it from the script to let {env_vars.NUMERICS} choose."
         )
     return chosen, None
 
@@ -88,5 +88,5 @@ class NumericsNotice:
                 "%s Set %s=accelerate (or Accelerator(numerics='accelerate')) for Accelerate's numbers "
                 "(docs/migrating-from-accelerate.md, deliberate differences).",
                 what,
-                launch_env.NUMERICS,
+                env_vars.NUMERICS,
             )

@@ -37,6 +37,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
+from .health.mismatch import DistributedOperationException as DistributedOperationException  # public here
 from .state import PartialState
 
 REDUCTIONS = {
@@ -225,12 +226,6 @@ def concatenate(data: Sequence[Any], dim: int = 0) -> Any:
 
 
 # -- agreement check -------------------------------------------------------------------------------
-class DistributedOperationException(ValueError):
-    """Processes called a collective with different operations, structures, shapes or dtypes; raised on
-    every process before the collective runs (Accelerate's name; a ValueError, as unison's other errors
-    about the caller's input)."""
-
-
 class _Leaf(NamedTuple):
     """What the processes must agree on about one leaf before a collective."""
 

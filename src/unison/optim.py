@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch.utils.hooks import RemovableHandle
 
-from . import watchdog
+from .health import watchdog
 from .numerics import SCHEDULER_STEPS, NumericsNotice
 from .state import GradientState
 

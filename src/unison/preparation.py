@@ -27,13 +27,13 @@ from .parallel.apply import (
     replaced_parameters,
     switch_optimizer_parameters,
 )
-from .parallel.auto import plan_for_this_job
 from .parallel.config import ParallelismConfig
 from .parallel.ddp import unwrap
 from .parallel.join import check_loader_rounds_even
 from .parallel.materialize import deferred_model
 from .parallel.mesh import data_parallel_mesh
 from .parallel.pipeline import PipelineModel
+from .planning.auto import plan_for_this_job
 
 logger = logging.getLogger("unison")
 

@@ -26,11 +26,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from . import launch_env, network
+from . import env_vars, network
 from .environment import ProcessLayout, detect_layout
-from .failure import end_fast_on_uncaught_error
+from .health.failure import end_fast_on_uncaught_error
+from .health.watchdog import Watchdog
 from .splitting import split_for_process
-from .watchdog import Watchdog
 
 logger = logging.getLogger("unison")
 
@@ -72,7 +72,7 @@ class DistributedType(str, enum.Enum):
 
 def _as_timedelta(timeout: float | timedelta | None) -> timedelta:
     if timeout is None:
-        timeout = launch_env.env_float(launch_env.TIMEOUT, DEFAULT_TIMEOUT_SECONDS)
+        timeout = env_vars.env_float(env_vars.TIMEOUT, DEFAULT_TIMEOUT_SECONDS)
     if isinstance(timeout, timedelta):
         timeout = timeout.total_seconds()
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
@@ -150,7 +150,7 @@ def debug_mode() -> bool:
     compare their inputs' shapes), so ranks that call different collectives fail at once, on every rank.
 
     The starting value of `PartialState.debug`, which the ops read afterwards (a script may switch it)."""
-    return launch_env.env_bool(launch_env.DEBUG, False) or launch_env.env_bool("ACCELERATE_DEBUG_MODE", False)
+    return env_vars.env_bool(env_vars.DEBUG, False) or env_vars.env_bool("ACCELERATE_DEBUG_MODE", False)
 
 
 def _end_with_the_launcher() -> None:
@@ -159,13 +159,13 @@ def _end_with_the_launcher() -> None:
     torch's elastic agent starts each worker in a session of its own, so when the agent itself is
     killed (SIGKILL, the OOM killer, a scheduler's kill) the workers would live on as orphans: still
     training, still writing checkpoints, racing the restarted job. PR_SET_PDEATHSIG ties each worker
-    to the agent that started it. The launcher's pid comes from `unison launch` (launch_env.LAUNCHER_PID),
+    to the agent that started it. The launcher's pid comes from `unison launch` (env_vars.LAUNCHER_PID),
     fixed when it started the workers: read here instead, the parent pid may already be init's (or a
     subreaper's) if the launcher was killed while this worker was still importing, and the check would pass.
     """
     if not sys.platform.startswith("linux") or "TORCHELASTIC_RUN_ID" not in os.environ:
         return
-    exported = os.environ.get(launch_env.LAUNCHER_PID, "")
+    exported = os.environ.get(env_vars.LAUNCHER_PID, "")
     launcher = int(exported) if exported.isdigit() else os.getppid()  # plain torchrun: the best we know
     pr_set_pdeathsig = 1
     ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
@@ -205,7 +205,7 @@ class PartialState:
 
     def __init__(self, cpu: bool | None = None, timeout: float | timedelta | None = None):
         self.__dict__ = self._shared_state
-        cpu_requested = launch_env.env_bool(launch_env.CPU, False) if cpu is None else bool(cpu)
+        cpu_requested = env_vars.env_bool(env_vars.CPU, False) if cpu is None else bool(cpu)
         if self.initialized:
             self._check_compatible(cpu, timeout)
             return
@@ -214,7 +214,7 @@ class PartialState:
         self.layout = layout
         # None once a process group the user formed is adopted: its own timeout is in force, not ours
         self.timeout: timedelta | None = _as_timedelta(timeout)
-        self._timeout_requested = timeout is not None or launch_env.TIMEOUT in os.environ
+        self._timeout_requested = timeout is not None or env_vars.TIMEOUT in os.environ
         self.cpu = cpu_requested
         # unison's ops check their inputs across ranks while True; set at run time as in Accelerate
         # (`state.debug = True`); torch's own checks (DETAIL) follow the value the group was formed with
@@ -514,7 +514,7 @@ class AcceleratorState:
                 )
             return
         if mixed_precision is None:
-            mixed_precision = validate_mixed_precision(launch_env.env_str(launch_env.MIXED_PRECISION, "no"))
+            mixed_precision = validate_mixed_precision(env_vars.env_str(env_vars.MIXED_PRECISION, "no"))
         self.mixed_precision = mixed_precision
         self.fsdp_plugin: Any = None
         self.deepspeed_plugin: Any = None

@@ -27,6 +27,7 @@ from .kwargs_handlers import (
     InitProcessGroupKwargs,
     ProfileKwargs,
 )
+from .observing.tracking import GeneralTracker, LoggerType
 from .ops import (
     broadcast,
     broadcast_object_list,
@@ -43,7 +44,6 @@ from .parallel.config import ParallelismConfig
 from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
 from .state import DistributedType, wait_for_everyone
-from .tracking import GeneralTracker, LoggerType
 
 __all__ = [
     "AutocastKwargs",

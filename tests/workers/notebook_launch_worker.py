@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from unison import AcceleratorState, PartialState
-from unison.notebook import notebook_launcher
+from unison.launching.notebook import notebook_launcher
 
 
 def train(scale):

@@ -12,8 +12,16 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from ..launch_config import DEFAULT_FILE, PLUGIN_KEYS, SETTINGS, ConfigError, Setting, check_values, example
-from ..parallel.checkpointing import normalize_mode
+from ..launching.config_file import (
+    DEFAULT_FILE,
+    PLUGIN_KEYS,
+    SETTINGS,
+    ConfigError,
+    Setting,
+    check_values,
+    example,
+)
+from ..parallel.checkpointing_modes import normalize_mode
 from ..state import validate_mixed_precision
 
 HEADER = """\

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import __version__, launch_env
-from ..launch_config import ConfigError, current_origins, describe
+from .. import __version__, env_vars
+from ..launching.config_file import ConfigError, current_origins, describe
 
 RELEVANT_ENV = re.compile(
     r"^(UNISON_\w+|RANK|LOCAL_RANK|GROUP_RANK|WORLD_SIZE|LOCAL_WORLD_SIZE|MASTER_ADDR|MASTER_PORT|"
@@ -47,7 +47,7 @@ def collect(config: str | None = None) -> dict[str, Any]:
         "environment": {
             name: value
             for name, value in sorted(os.environ.items())
-            if RELEVANT_ENV.match(name) and name != launch_env.CONFIG_SOURCES
+            if RELEVANT_ENV.match(name) and name != env_vars.CONFIG_SOURCES
         },
         "settings": describe(origins),
         **({"config_not_used": warnings} if warnings else {}),

@@ -7,14 +7,14 @@ import dataclasses
 import json
 import sys
 
-from .. import memory
-from ..parallel.checkpointing import normalize_mode
+from ..parallel.checkpointing_modes import normalize_mode
+from ..planning import memory, memory_table
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated, even for a 70B model) and print, per
 precision and per strategy at --devices N, the bytes each device holds for parameters, gradients,
 Adam state and (with --micro-batch-size and --seq-len, for transformers) activations.
-Formulas and sources: docs/memory-estimator.md and the unison.memory docstring.
+Formulas and sources: docs/memory-estimator.md and the unison.planning.memory docstring.
 """
 
 EPILOG = """\
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     except memory.TargetError as error:
         sys.stderr.write(f"unison estimate-memory: error: {error}\n")
         return 2
-    result = memory.estimate(
+    result = memory_table.estimate(
         memory.inspect_model(model),
         args.devices,
         args.micro_batch_size,

@@ -1,18 +1,18 @@
-"""`unison launch`: parse the flags, then hand them to `unison.launcher` (which does the work)."""
+"""`unison launch`: parse the flags, then hand them to `unison.launching.launcher` (which does the work)."""
 
 from __future__ import annotations
 
 import argparse
 
-from .. import launch_env
-from ..launch_config import ConfigError
-from ..launch_options import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions
-from ..launcher import launch
+from .. import env_vars
+from ..launching.config_file import ConfigError
+from ..launching.launcher import launch
+from ..launching.options import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions
+from ..launching.plugin_flags import add_plugin_flags, plugin_from_flags
 from ..numerics import check_numerics
+from ..observing.throughput import check_peak_flops
 from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
-from ..throughput import check_peak_flops
 from .launch_config_flags import add_config_flag, apply_config_file, file_note
-from .plugin_flags import add_plugin_flags, plugin_from_flags
 
 DESCRIPTION = """\
 Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
@@ -22,18 +22,18 @@ failing rank's traceback is shown.
 """
 
 _VARIABLES = [
-    (f"{launch_env.CPU}=1", "--cpu"),
-    (f"{launch_env.MIXED_PRECISION}=no|bf16|fp16", "--mixed-precision"),
-    (f"{launch_env.GRADIENT_ACCUMULATION_STEPS}=K", "--gradient-accumulation-steps"),
-    (f"{launch_env.TIMEOUT}=SECONDS", "--timeout"),
-    (f"{launch_env.DEBUG}=1", "--debug"),
-    (f"{launch_env.PARALLELISM}=LAYOUT", "--parallelism"),
-    (f"{launch_env.ACTIVATION_CHECKPOINTING}=MODE", "--activation-checkpointing"),
-    (f"{launch_env.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
-    (f"{launch_env.DYNAMO_MODE}=MODE", "--dynamo-mode"),
-    (f"{launch_env.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
-    (f"{launch_env.NUMERICS}=unison|accelerate", "--numerics"),
-    (f"{launch_env.PEAK_FLOPS}=FLOPS", "--peak-flops (read by unison.throughput.peak_flops)"),
+    (f"{env_vars.CPU}=1", "--cpu"),
+    (f"{env_vars.MIXED_PRECISION}=no|bf16|fp16", "--mixed-precision"),
+    (f"{env_vars.GRADIENT_ACCUMULATION_STEPS}=K", "--gradient-accumulation-steps"),
+    (f"{env_vars.TIMEOUT}=SECONDS", "--timeout"),
+    (f"{env_vars.DEBUG}=1", "--debug"),
+    (f"{env_vars.PARALLELISM}=LAYOUT", "--parallelism"),
+    (f"{env_vars.ACTIVATION_CHECKPOINTING}=MODE", "--activation-checkpointing"),
+    (f"{env_vars.DYNAMO_BACKEND}=BACKEND", "--dynamo-backend"),
+    (f"{env_vars.DYNAMO_MODE}=MODE", "--dynamo-mode"),
+    (f"{env_vars.PLUGIN}=JSON", "--use_fsdp / --use_deepspeed and their flags"),
+    (f"{env_vars.NUMERICS}=unison|accelerate", "--numerics"),
+    (f"{env_vars.PEAK_FLOPS}=FLOPS", "--peak-flops (read by unison.throughput.peak_flops)"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
 ]
 

@@ -1,5 +1,5 @@
 """`unison launch --config FILE` (default ./unison.toml): the file's settings fill in what no flag and
-no UNISON_* variable gave (unison.launch_config has the precedence)."""
+no UNISON_* variable gave (unison.launching.config_file has the precedence)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,15 @@ import logging
 import os
 from typing import Any
 
-from ..launch_config import PLUGIN_KEYS, SETTINGS, find_config, label, read_config, resolve, sources_to_env
+from ..launching.config_file import (
+    PLUGIN_KEYS,
+    SETTINGS,
+    find_config,
+    label,
+    read_config,
+    resolve,
+    sources_to_env,
+)
 
 logger = logging.getLogger("unison")
 

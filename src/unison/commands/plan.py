@@ -1,5 +1,5 @@
 """`unison plan`: the parallel layout for a model (built on meta): the fastest that fits when the run's
-global batch is given (unison.cost_model), else the first that fits in the guide's order."""
+global batch is given (unison.planning.cost_model), else the first that fits in the guide's order."""
 
 from __future__ import annotations
 
@@ -8,10 +8,11 @@ import dataclasses
 import json
 import sys
 
-from .. import memory, plan_measure, planner
-from ..cost_model import DEFAULT_EFFICIENCY, DEVICES, DeviceSpec, StepCost
-from ..hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware, parse_memory
-from ..plan_speed import parse_device_spec
+from ..planning import measure as plan_measure
+from ..planning import memory, planner
+from ..planning.cost_model import DEFAULT_EFFICIENCY, DEVICES, DeviceSpec, StepCost
+from ..planning.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware, parse_memory
+from ..planning.speed import parse_device_spec
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated) and pick the parallel layout for --devices N

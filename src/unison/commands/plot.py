@@ -6,7 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from .. import plotting
+from ..observing import plotting
 
 
 def register(subcommands: argparse._SubParsersAction) -> None:

@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
-from .. import launch_env
+from .. import env_vars
 from .blocks import find_blocks
 
 if TYPE_CHECKING:
@@ -66,9 +66,9 @@ class TorchDynamoPlugin:
 
     def __post_init__(self) -> None:
         if self.backend is None:
-            self.backend = launch_env.env_str(launch_env.DYNAMO_BACKEND, OFF)
+            self.backend = env_vars.env_str(env_vars.DYNAMO_BACKEND, OFF)
         if self.mode is None:
-            self.mode = os.environ.get(launch_env.DYNAMO_MODE, "").strip() or None
+            self.mode = os.environ.get(env_vars.DYNAMO_MODE, "").strip() or None
         self.backend = check_backend(self.backend)
         self.mode = check_mode(self.mode)
         if self.mode is not None and self.options:

@@ -20,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .checkpointing import normalize_mode
+from .checkpointing_modes import normalize_mode
 
 DEGREE_FIELDS = ("pp_size", "dp_replicate_size", "dp_shard_size", "tp_size", "cp_size")
 """The degrees (the mesh puts cp before tp: parallel/mesh.py; cp stays last here, as messages name it)."""

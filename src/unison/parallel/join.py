@@ -26,7 +26,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Iterator, Sequence
-from typing import TYPE_CHECKING
 
 from torch.distributed.algorithms.join import Join, Joinable
 from torch.utils.data import DataLoader
@@ -37,34 +36,36 @@ from ..data.sharding import short_last_round
 from .apply import data_parallel_engine
 from .config import ParallelismConfig
 
-if TYPE_CHECKING:
-    from ..accelerator import Accelerator
-
 logger = logging.getLogger("unison")
 
 
 @contextlib.contextmanager
 def join_uneven_inputs(
-    accelerator: Accelerator, joinables: Sequence[Joinable], even_batches: bool | None = None
+    layout: ParallelismConfig,
+    loaders: Sequence[DataLoader],
+    joinables: Sequence[Joinable],
+    even_batches: bool | None,
+    *,
+    default_even_batches: bool,
+    accumulation_steps: int,
+    sync_with_dataloader: bool,
 ) -> Iterator[None]:
-    """Join over `joinables` while the prepared loaders run with `even_batches` (None: the Accelerator's).
+    """Join over `joinables` while the prepared `loaders` run with `even_batches` (None: the
+    Accelerator's `default_even_batches`). `accumulation_steps` and `sync_with_dataloader` are the
+    Accelerator's, to refuse windows that would end at different steps on different processes.
 
     As in Accelerate, Join is enabled only when the batches are uneven (even_batches False), and the
     loaders' setting is restored at the end. One process, or layouts whose processes all read the same
     batches, have nothing to join. Uneven batches under a layout Join cannot shadow are refused with a
     ValueError before anything runs, rather than left to hang in the first collective.
     """
-    layout = accelerator._layout_needed("join_uneven_inputs()")
-    even = accelerator.even_batches if even_batches is None else even_batches
+    even = default_even_batches if even_batches is None else even_batches
     if layout.dp_size == 1:  # every process reads the same batches (or there is one process)
         yield
         return
     if not even:
-        _check_joinable(accelerator, joinables)
-    with (
-        _loaders_even_batches(accelerator._dataloaders, even_batches),
-        _loaders_joined(accelerator._dataloaders),
-    ):
+        _check_joinable(layout, joinables, accumulation_steps, sync_with_dataloader)
+    with _loaders_even_batches(loaders, even_batches), _loaders_joined(loaders):
         with Join(list(joinables), enable=not even, throw_on_early_termination=False):
             yield
 
@@ -145,8 +146,12 @@ def _samples(count: int) -> str:
     return f"{count} sample{'' if count == 1 else 's'}"
 
 
-def _check_joinable(accelerator: Accelerator, joinables: Sequence[Joinable]) -> None:
-    layout = accelerator.parallelism
+def _check_joinable(
+    layout: ParallelismConfig,
+    joinables: Sequence[Joinable],
+    accumulation_steps: int,
+    sync_with_dataloader: bool,
+) -> None:
     if not joins_uneven_inputs(layout):
         raise ValueError(
             f"join_uneven_inputs with uneven batches (even_batches=False) under {layout.describe()}: "
@@ -154,11 +159,10 @@ def _check_joinable(accelerator: Accelerator, joinables: Sequence[Joinable]) -> 
             f"not {_unshadowed(layout)}, so the other processes would wait for ever. Use parallelism='ddp', "
             "or keep even_batches=True (the last round topped up; gather_for_metrics drops the top-up)."
         )
-    plugin = accelerator.gradient_accumulation_plugin
-    if accelerator.gradient_accumulation_steps > 1 and plugin.sync_with_dataloader:
+    if accumulation_steps > 1 and sync_with_dataloader:
         raise ValueError(
             f"join_uneven_inputs with uneven batches and gradient_accumulation_steps="
-            f"{accelerator.gradient_accumulation_steps}: a loader's last batch closes its window "
+            f"{accumulation_steps}: a loader's last batch closes its window "
             "(sync_with_dataloader=True), so a process with fewer batches would all-reduce while the "
             "others still accumulate. Pass GradientAccumulationPlugin(num_steps=..., "
             "sync_with_dataloader=False) to count windows alike on every process, or keep even_batches=True."

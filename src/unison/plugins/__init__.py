@@ -19,7 +19,7 @@ import json
 import os
 from typing import Any
 
-from .. import launch_env
+from .. import env_vars
 from ..environment import detect_layout
 from ..parallel.config import ParallelismConfig
 from .deepspeed import DeepSpeedPlugin
@@ -141,7 +141,7 @@ def plugin_to_env(plugin: FullyShardedDataParallelPlugin | DeepSpeedPlugin) -> s
 
 def plugin_from_env() -> FullyShardedDataParallelPlugin | DeepSpeedPlugin | None:
     """The plugin `unison launch --use_fsdp/--use_deepspeed ...` exported, or None."""
-    raw = os.environ.get(launch_env.PLUGIN, "").strip()
+    raw = os.environ.get(env_vars.PLUGIN, "").strip()
     return read_plugin(raw) if raw else None
 
 
@@ -152,7 +152,7 @@ def read_plugin(raw: str) -> FullyShardedDataParallelPlugin | DeepSpeedPlugin:
         return _KINDS[kind](**fields)
     except (ValueError, KeyError, TypeError, AttributeError) as error:
         raise ValueError(
-            f"{launch_env.PLUGIN}={raw!r} is not a plugin as `unison launch` writes it "
+            f"{env_vars.PLUGIN}={raw!r} is not a plugin as `unison launch` writes it "
             f'({{"fsdp": {{FIELD: VALUE}}}} or {{"deepspeed": {{...}}}}): {error}. Unset it, or launch '
             "with --use_fsdp / --use_deepspeed."
         ) from None

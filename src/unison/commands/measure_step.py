@@ -1,6 +1,6 @@
 """Time one candidate layout's training step on this machine, for `unison plan --measure`.
 
-Run under `unison launch` (one process per device), as `python -m unison.measure_step TARGET ...`: it
+Run under `unison launch` (one process per device), as `python -m unison.commands.measure_step TARGET ...`: it
 builds the real model from TARGET, prepares it with the layout given as JSON, and runs warm-up steps then
 timed optimizer steps of the planned shape (micro-batches of random token ids, next-token loss, AdamW),
 each of `--micro-steps` micro-batches. The slowest process's median step is the measurement: every rank
@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from unison import Accelerator
-from unison.memory import inspect_model, load_factory
-from unison.parallel.config import ParallelismConfig
+from .. import Accelerator
+from ..parallel.config import ParallelismConfig
+from ..planning.memory import inspect_model, load_factory
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

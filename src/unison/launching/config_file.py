@@ -25,16 +25,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from . import launch_env
-from .commands.plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
-from .state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
+from .. import env_vars
+from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
+from .accelerate_config import read_accelerate_yaml
+from .errors import ConfigError
+from .plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
 
 DEFAULT_FILE = "unison.toml"
 DEFAULT_ORIGIN = "default"
-
-
-class ConfigError(ValueError):
-    """The config file is missing, unreadable, or holds a key or value launch does not take."""
 
 
 @dataclass(frozen=True)
@@ -69,25 +67,25 @@ SETTINGS: dict[str, Setting] = {
         Setting("rdzv_conf", (str,)),
         Setting("local_addr", (str,)),
         Setting("max_restarts", (int,)),
-        Setting("cpu", (bool,), launch_env.CPU, False),
-        Setting("mixed_precision", (str,), launch_env.MIXED_PRECISION, "no"),
-        Setting("gradient_accumulation_steps", (int,), launch_env.GRADIENT_ACCUMULATION_STEPS, 1),
+        Setting("cpu", (bool,), env_vars.CPU, False),
+        Setting("mixed_precision", (str,), env_vars.MIXED_PRECISION, "no"),
+        Setting("gradient_accumulation_steps", (int,), env_vars.GRADIENT_ACCUMULATION_STEPS, 1),
         Setting(
             "timeout",
             (float, int),
-            launch_env.TIMEOUT,
+            env_vars.TIMEOUT,
             f"{DEFAULT_FIRST_STEP_TIMEOUT_SECONDS:g} s to the first step, "
             f"{DEFAULT_TIMEOUT_SECONDS:g} s after",
         ),
-        Setting("debug", (bool,), launch_env.DEBUG, False),
-        Setting("parallelism", (str,), launch_env.PARALLELISM, "ddp", group="layout"),
-        Setting("activation_checkpointing", (str,), launch_env.ACTIVATION_CHECKPOINTING, "none"),
-        Setting("dynamo_backend", (str,), launch_env.DYNAMO_BACKEND, "no"),
-        Setting("dynamo_mode", (str,), launch_env.DYNAMO_MODE, "default"),
-        Setting("use_fsdp", (bool,), launch_env.PLUGIN, group="layout"),
-        Setting("use_deepspeed", (bool,), launch_env.PLUGIN, group="layout"),
+        Setting("debug", (bool,), env_vars.DEBUG, False),
+        Setting("parallelism", (str,), env_vars.PARALLELISM, "ddp", group="layout"),
+        Setting("activation_checkpointing", (str,), env_vars.ACTIVATION_CHECKPOINTING, "none"),
+        Setting("dynamo_backend", (str,), env_vars.DYNAMO_BACKEND, "no"),
+        Setting("dynamo_mode", (str,), env_vars.DYNAMO_MODE, "default"),
+        Setting("use_fsdp", (bool,), env_vars.PLUGIN, group="layout"),
+        Setting("use_deepspeed", (bool,), env_vars.PLUGIN, group="layout"),
         *(
-            Setting(flag, _PLUGIN_TYPES[kind], launch_env.PLUGIN, group="layout")
+            Setting(flag, _PLUGIN_TYPES[kind], env_vars.PLUGIN, group="layout")
             for flag, (_, kind) in {**FSDP_FLAGS, **DEEPSPEED_FLAGS}.items()
         ),
     ]
@@ -115,8 +113,6 @@ def read_config(path: Path) -> tuple[dict[str, Any], list[str]]:
     """The settings in `path` (TOML, or an Accelerate YAML by its suffix), checked; and warnings (lines
     naming the Accelerate keys that were not used)."""
     if path.suffix in (".yaml", ".yml"):
-        from .accelerate_config import read_accelerate_yaml
-
         values, warnings = read_accelerate_yaml(path)
     else:
         values, warnings = _read_toml(path), []
@@ -178,10 +174,10 @@ def resolve(
     for key, value in flags.items():
         origins[key] = (value, SETTINGS[key].flag)
     for key, setting in SETTINGS.items():
-        if key not in origins and setting.env not in (None, launch_env.PLUGIN) and setting.env in environ:
+        if key not in origins and setting.env not in (None, env_vars.PLUGIN) and setting.env in environ:
             origins[key] = (environ[setting.env], setting.env)
     taken_groups = {SETTINGS[key].group for key in origins} - {None}
-    if launch_env.PLUGIN in environ:  # the whole plugin in one variable (`unison env` lists it as is)
+    if env_vars.PLUGIN in environ:  # the whole plugin in one variable (`unison env` lists it as is)
         taken_groups.add("layout")
     added = {
         key: value
@@ -220,7 +216,7 @@ def _show(value: Any) -> str:
 def current_origins(config: str | None) -> tuple[dict[str, tuple[Any, str]], list[str]]:
     """The settings as this process sees them: the launcher's resolution inside a launched worker,
     else the environment over the config file (`config`, or ./unison.toml). Also the file's warnings."""
-    passed = os.environ.get(launch_env.CONFIG_SOURCES)
+    passed = os.environ.get(env_vars.CONFIG_SOURCES)
     if passed and config is None:
         return {key: (value, origin) for key, (value, origin) in json.loads(passed).items()}, []
     path = find_config(config)

@@ -1,6 +1,6 @@
 """How long one training step of a parallel layout takes: compute, communication and the pipeline bubble.
 
-Memory decides which layouts fit (unison.layout_memory); this model decides which of those is fastest.
+Memory decides which layouts fit (`layout_memory`); this model decides which of those is fastest.
 It is arithmetic on the model's shape, the layout, the batch and a device description (`DeviceSpec`),
 as in Narayanan et al. 2021 (Megatron-LM, sections 3 and 5) and the PaLM appendix, and its figures are
 predictions to rank layouts and to say roughly how fast a run will go, not measurements
@@ -33,7 +33,7 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
   v stages per device, with m the micro-batches each pipeline runs per step; and the pipeline's pace,
   which is its slowest device's: stages hold whole blocks, cut as unison's split cuts them (equal
   parameters, the embedding counted on the first stage and the output layer on the last:
-  unison.plan_stages), and the last one also runs the output layer (6·V·h FLOPs per token); so a stage
+  unison.planning.stages), and the last one also runs the output layer (6·V·h FLOPs per token); so a stage
   count that does not divide the blocks (31 stages of 96: some hold 4, the mean is 3.1) idles the others;
   the bubble is that share of the pipeline's compute, imbalance and micro-step overhead.
 
@@ -49,9 +49,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from unison import plan_stages
-from unison.memory import ModelShape
-from unison.parallel.config import ParallelismConfig
+from ..parallel.config import ParallelismConfig
+from . import stages as plan_stages
+from .memory import ModelShape
 
 DEFAULT_EFFICIENCY = 0.6
 """Share of the dense bf16 peak a wide model's step reaches when nothing waits (module docstring)."""

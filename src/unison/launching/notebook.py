@@ -24,17 +24,11 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from .launch_options import resolve_nproc_per_node
-from .launch_report import cause_rank
-from .launcher import (
-    RANK_PREFIX_TEMPLATE,
-    exported,
-    free_loopback_port,
-    join_endpoint,
-    worker_environment,
-)
+from ..state import AcceleratorState, PartialState, validate_mixed_precision
+from .launcher import RANK_PREFIX_TEMPLATE, exported, free_loopback_port, join_endpoint, worker_environment
+from .options import resolve_nproc_per_node
 from .rendezvous import ONE_NODE_BACKEND
-from .state import AcceleratorState, PartialState, validate_mixed_precision
+from .report import cause_rank
 
 _FORK_SAFE_CUDA_CHECK = {"PYTORCH_NVML_BASED_CUDA_CHECK": "1"}
 """torch.cuda.is_available() initialises the CUDA driver, after which forked children cannot use CUDA

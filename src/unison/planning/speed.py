@@ -1,6 +1,6 @@
-"""Choose between the layouts that fit by their predicted step time (unison.cost_model).
+"""Choose between the layouts that fit by their predicted step time (unison.planning.cost_model).
 
-The planner (unison.planner) lists the valid layouts and prices their memory; when the run's batch is
+The planner (unison.planning.planner) lists the valid layouts and prices their memory; when the run's batch is
 known (global batch and sequence length), this module prices each layout's step and the planner takes
 the fastest of those that fit. Memory stays the hard constraint; speed only orders what fits.
 
@@ -17,10 +17,10 @@ from typing import Any
 
 import torch
 
-from unison.cost_model import DEVICES, PCIE_BANDWIDTH, Batch, DeviceSpec
-from unison.hardware import Hardware
-from unison.parallel.config import ParallelismConfig
-from unison.plan_inputs import Workload
+from ..parallel.config import ParallelismConfig
+from .cost_model import DEVICES, PCIE_BANDWIDTH, Batch, DeviceSpec
+from .hardware import Hardware
+from .inputs import Workload
 
 DEFAULT_DEVICE = "h100"
 """The device priced when none is named: the planner's default memory (80GB) is an H100's or A100's."""
@@ -73,7 +73,7 @@ def device_key(device: torch.device) -> str | None:
 def parse_device_spec(text: str) -> DeviceSpec:
     """'NAME:peak=989e12,memory=80GB,nvlink=450e9,network=50e9' -> a DeviceSpec for a device the table
     lacks; a NAME in the table may be given with only the fields that differ."""
-    from unison.hardware import parse_memory
+    from .hardware import parse_memory
 
     name, _, fields = text.partition(":")
     known = DEVICES.get(name.strip().lower())

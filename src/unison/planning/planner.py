@@ -4,12 +4,12 @@ The multi-GPU guide (../shared/reference/multi-gpu-training-guide.txt) decides w
 the model fit onto one device (DDP), does it not (ZeRO, PP or TP, ordered by how fast the devices are
 linked), does even its largest layer not (TP); across nodes, TP stays inside a node and little should cross
 the slower link between nodes. The planner turns the case at hand into an ordered list of layouts (the
-guide's preference), prices each with the formulas of `unison.memory`, and takes the first that fits
+guide's preference), prices each with the formulas of `unison.planning.memory`, and takes the first that fits
 comfortably (<= 75% of a device), else the first that fits at all (<= 90%). The rest is headroom for what
 no formula counts: CUDA context, allocator fragmentation, communication buffers. docs/planner.md lists
 the rules and their sources.
 
-Planning is arithmetic on the model's shape and a description of the hardware (`unison.hardware`, whose
+Planning is arithmetic on the model's shape and a description of the hardware (`hardware`, whose
 Hardware, detect_hardware, parse_memory and link_from_topology are re-exported here, where they began),
 so every rank that plans with the same inputs reaches the same layout without talking to the others.
 """
@@ -23,16 +23,17 @@ from typing import Any
 
 import torch.nn as nn
 
-from unison import memory, plan_speed
-from unison.cost_model import DEFAULT_EFFICIENCY, Batch, DeviceSpec, StepCost, stages_per_device, step_cost
-from unison.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
-from unison.hardware import detect_hardware as detect_hardware
-from unison.hardware import link_from_topology as link_from_topology
-from unison.hardware import parse_memory as parse_memory
-from unison.layout_memory import PlanMemory, layout_memory
-from unison.parallel.checkpointing import FULL
-from unison.parallel.config import ParallelismConfig
-from unison.plan_inputs import ModelFacts, Workload, model_facts
+from ..parallel.checkpointing_modes import FULL
+from ..parallel.config import ParallelismConfig
+from . import memory
+from . import speed as plan_speed
+from .cost_model import DEFAULT_EFFICIENCY, Batch, DeviceSpec, StepCost, stages_per_device, step_cost
+from .hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
+from .hardware import detect_hardware as detect_hardware
+from .hardware import link_from_topology as link_from_topology
+from .hardware import parse_memory as parse_memory
+from .inputs import ModelFacts, Workload, model_facts
+from .layout_memory import PlanMemory, layout_memory
 
 COMFORTABLE_FRACTION = 0.75
 """A layout 'fits comfortably' (the guide's word for case 1) when it needs at most this share of a device."""
@@ -119,7 +120,7 @@ def plan_parallelism(
     `pipeline=False` / `tensor_parallel=False` leave out layouts the run cannot take (a loop without the
     pipeline step, a model without a TP plan).
     With `global_batch_size` (sequences per step) and `seq_len`, every layout that fits is priced by
-    unison.cost_model on `device` (a name in cost_model.DEVICES or a DeviceSpec; default H100) at
+    unison.planning.cost_model on `device` (a name in cost_model.DEVICES or a DeviceSpec; default H100) at
     `efficiency` x its peak, and the fastest is chosen; without, the first in the guide's order that fits.
     """
     workload = Workload(

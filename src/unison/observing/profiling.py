@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from .kwargs_handlers import ProfileKwargs
-from .state import PartialState
+from ..kwargs_handlers import ProfileKwargs
+from ..state import PartialState
 
 TRACE_NAME = "profile_{process_index}.json"
 """Accelerate's PROFILE_PATTERN_NAME: scripts and tools that look for its traces find them."""

@@ -8,10 +8,10 @@ import torch
 import torch.nn as nn
 
 from .. import ops
-from ..hardware import detect_hardware
-from ..plan_speed import device_key
-from ..planner import Plan, PlanError, plan_parallelism
 from ..state import PartialState
+from .hardware import detect_hardware
+from .planner import Plan, PlanError, plan_parallelism
+from .speed import device_key
 
 logger = logging.getLogger("unison")
 
@@ -34,7 +34,7 @@ def plan_for_this_job(
     need the loop's forward_backward call, which prepare() cannot see. Tensor parallel only where a
     built-in plan recognises the model. With the run's global batch and sequence length
     ("auto:global_batch_size=G,seq_len=S") the layouts that fit are ranked by predicted step time on this
-    device (unison.cost_model; a CPU or an unlisted GPU is priced as an H100: the ranking, not the
+    device (unison.planning.cost_model; a CPU or an unlisted GPU is priced as an H100: the ranking, not the
     seconds, is what counts there).
     """
     precision = "fp32" if mixed_precision == "no" else "bf16-mixed"
@@ -64,7 +64,7 @@ def plan_for_this_job(
 
 
 def _has_tensor_parallel_plan(model: nn.Module) -> bool:
-    from .tensor import tensor_parallel_plan  # loads DTensor: only when planning, not at import
+    from ..parallel.tensor import tensor_parallel_plan  # loads DTensor: only when planning, not at import
 
     try:
         tensor_parallel_plan(model)

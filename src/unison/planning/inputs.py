@@ -1,7 +1,7 @@
 """What the planner plans for: the model's shape and limits (`ModelFacts`) and the run (`Workload`).
 
 Both are plain values read once (a model on the meta device is enough), so every rank that plans with the
-same inputs reaches the same layout (unison.planner).
+same inputs reaches the same layout (unison.planning.planner).
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from dataclasses import dataclass
 
 import torch.nn as nn
 
-from unison import memory
-from unison.parallel.blocks import find_blocks
+from ..parallel.blocks import find_blocks
+from . import memory
 
 _HEAD_NAMES = ("num_attention_heads", "n_head", "n_heads", "num_heads")
 _KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_head")
@@ -19,7 +19,7 @@ _KV_HEAD_NAMES = ("num_key_value_heads", "n_kv_heads", "num_kv_heads", "n_kv_hea
 
 @dataclass(frozen=True)
 class ModelFacts:
-    """What planning needs from a model: its shape (unison.memory) plus the sizes that limit a split."""
+    """What planning needs from a model: its shape (`memory`) plus the sizes that limit a split."""
 
     shape: memory.ModelShape
     blocks: int  # length of the block list (0: none, so no pipeline split and one ZeRO-3 unit)
@@ -91,7 +91,7 @@ class Workload:
     pipeline: pipeline layouts may be chosen (the loop calls the pipeline step; the model has a block list).
     tensor_parallel: TP layouts may be chosen (the model has a TP plan: built in or the user's).
     global_batch_size: sequences per optimizer step over all ranks; with it (and seq_len) the planner prices
-        each layout's step (unison.cost_model) and picks the fastest that fits, else the first in the guide's
+        each layout's step (`cost_model`) and picks the fastest that fits, else the first in the guide's
         order. micro_batch_size may then be None: the planner tries 1, 2, 4, ... and keeps the fastest
         that fits.
     zero: layouts that shard parameters or gradients over the data-parallel ranks (ZeRO-2/3, HSDP, ZeRO-1

@@ -45,6 +45,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import position as where
+from .elastic_record import record_for_the_elastic_agent
 from .position import Position
 
 logger = logging.getLogger("unison")
@@ -220,8 +221,6 @@ class Watchdog:
             verdict = json.dumps({"kind": kind, "reporter": self.rank, "message": message})
             if self.store.compare_set("verdict", "", verdict).decode() != verdict:
                 self._obey(json.loads(self.store.get("verdict")))  # another rank reported first
-            from .failure import record_for_the_elastic_agent
-
             sys.stderr.write(f"[unison] {message}\n")
             record_for_the_elastic_agent(str(self.rank), message.splitlines()[0], message)
             self.store.add("ask", 1)  # wake every rank: they read the verdict and dump their stacks
@@ -241,8 +240,6 @@ class Watchdog:
             _dump_stacks(f"rank {self.rank} (at the {verdict['kind']} reported by rank {reporter})")
         with contextlib.suppress(Exception):
             self.store.add("done", 1)
-        from .failure import record_for_the_elastic_agent
-
         record_for_the_elastic_agent(
             str(self.rank),
             f"ended by the {verdict['kind']} of rank {reporter}",

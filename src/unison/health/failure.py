@@ -15,15 +15,15 @@ EXIT_GRACE_SECONDS should a thread or a handler hang.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from typing import TYPE_CHECKING
 
+from .elastic_record import record_for_the_elastic_agent
+from .mismatch import DistributedOperationException
 from .position import traceback_position
 from .watchdog import EXIT_GRACE_SECONDS
 
@@ -77,29 +77,6 @@ def end_fast_on_uncaught_error(rank: str, watchdog: Watchdog | None) -> None:
     sys.excepthook = hook
 
 
-def record_for_the_elastic_agent(rank: str, message: str, text: str, consequence: bool = False) -> None:
-    """Write the error file torch's elastic agent reads (as its @record would), with the exact time.
-
-    torch's own timestamp has whole seconds, too coarse to tell the rank that failed first from the
-    peers that failed 0.2 s later because it went away; `unison launch` and `notebook_launcher` name
-    the rank with the smallest `unison_failed_at` among those whose failure was not a `consequence` of
-    another's (ended by the watchdog, or a peer that went away).
-    """
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    now = time.time()
-    extra = {
-        "py_callstack": text,
-        "timestamp": str(int(now)),
-        "unison_failed_at": now,
-        "unison_rank": rank,
-        "unison_consequence": consequence,
-    }
-    with contextlib.suppress(OSError), open(path, "w") as file:
-        json.dump({"message": {"message": message, "extraInfo": extra}}, file)
-
-
 def _is_peer_gone(exc: BaseException) -> bool:
     """A collective that failed because a peer process ended (gloo: "Connection closed by peer",
     "Connection reset by peer"; NCCL: "remote process exited"): a consequence, never the cause."""
@@ -113,8 +90,6 @@ def _is_peer_gone(exc: BaseException) -> bool:
 def _is_mismatch(exc: BaseException) -> bool:
     """Ranks called different collectives and every rank raises it (debug mode's checks: torch's
     "Detected mismatch between collectives", unison's DistributedOperationException)."""
-    from .ops import DistributedOperationException  # ops imports state, which imports this module
-
     return isinstance(exc, DistributedOperationException) or "Detected mismatch between collectives" in str(
         exc
     )

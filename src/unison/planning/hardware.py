@@ -1,9 +1,9 @@
 """What the job runs on: a description of the devices, their memory and links (`Hardware`), read from
 the running job (`detect_hardware`) or given by hand (`parse_memory` for sizes such as "80GB").
 
-The planner (unison.planner) prices layouts against this description. Its facts are the same on every
+The planner (unison.planning.planner) prices layouts against this description. Its facts are the same on every
 rank of equal nodes, except that the link probe (nvidia-smi) can fail on one rank and answer PCIe there:
-a job that plans at run time therefore plans on rank 0 and broadcasts the plan (unison.parallel.auto).
+a job that plans at run time therefore plans on rank 0 and broadcasts the plan (unison.planning.auto).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from unison import memory
+from . import memory
 
 LINKS_WITHIN_NODE = {"nvlink": True, "pcie": False}
 """Links between the devices of one node, and whether the guide counts them as fast."""

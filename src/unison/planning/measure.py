@@ -2,7 +2,7 @@
 
 The cost model ranks; a measurement decides, as DeepSpeed's autotuner does. Each candidate runs in a
 fresh job of `unison launch --nproc-per-node N` (one process per planned device, so the plan must be
-for this one node), through unison.measure_step: the real model from TARGET, prepared in that layout,
+for this one node), through unison.commands.measure_step: the real model from TARGET, prepared in that layout,
 a few optimizer steps of the planned shape on random token ids. A candidate that fails (out of memory,
 a layout the model cannot take) is reported with its error and left out of the choice.
 """
@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from unison.cost_model import StepCost
-from unison.parallel.config import ParallelismConfig
-from unison.planner import Plan
+from ..parallel.config import ParallelismConfig
+from .cost_model import StepCost
+from .planner import Plan
 
 MIXED_PRECISION = {"fp32": "no", "bf16-mixed": "bf16", "bf16": "bf16"}
 """The Accelerator's mixed_precision for each planned precision (a bf16-cast model is timed as autocast)."""
@@ -73,7 +73,7 @@ def _time_one(
         out = Path(folder) / "step.json"
         command = [
             sys.executable, "-m", "unison", "launch", "--nproc-per-node", str(plan.hardware.devices),
-            *(["--cpu"] if cpu else []), "-m", "unison.measure_step", target,
+            *(["--cpu"] if cpu else []), "-m", "unison.commands.measure_step", target,
             "--layout", json.dumps(_fields(config)),
             "--micro-batch-size", str(cost.micro_batch_size), "--micro-steps", str(cost.micro_steps),
             "--seq-len", str(plan.workload.seq_len),

@@ -2,8 +2,8 @@
 
 torch.distributed.run already does the hard parts (rendezvous, worker restarts, signal forwarding,
 tee-ing each worker's output, failure reports), so this module does not spawn anything itself. It
-checks the flags before any process starts (unison.launch_options), turns them into torch.distributed.run's
-argument namespace, exports the UNISON_* variables of `launch_env` (how the flags reach `Accelerator()` as
+checks the flags before any process starts (unison.launching.options), turns them into torch.distributed.run's
+argument namespace, exports the UNISON_* variables of `env_vars` (how the flags reach `Accelerator()` as
 defaults) and runs torch's launcher in-process.
 
 What it adds to a bare torchrun:
@@ -35,23 +35,17 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from . import launch_env, network, rendezvous
-from .launch_options import (
-    LaunchError,
-    LaunchOptions,
-    compile_variables,
-    parse_nnodes,
-    usable_cpu_count,
-    validate,
-)
-from .launch_report import quiet_agent_shutdown, report_failure
-from .parallel.config import ParallelismConfig, is_auto
-from .state import validate_mixed_precision
+from .. import env_vars, network
+from ..parallel.config import ParallelismConfig, is_auto
+from ..state import validate_mixed_precision
+from . import rendezvous
+from .options import LaunchError, LaunchOptions, compile_variables, parse_nnodes, usable_cpu_count, validate
+from .report import quiet_agent_shutdown, report_failure
 
 logger = logging.getLogger("unison")
 
 __all__ = ["LaunchError", "LaunchOptions", "launch", "validate", "worker_environment"]
-"""What callers use: the options and their check live in unison.launch_options, re-exported here."""
+"""What callers use: the options and their check live in unison.launching.options, re-exported here."""
 
 RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
 """torch.distributed.run's log_line_prefix_template: each worker line starts with its global rank."""
@@ -109,27 +103,27 @@ def worker_environment(
     """
     env = {}
     if cpu:
-        env[launch_env.CPU] = "1"
+        env[env_vars.CPU] = "1"
     if mixed_precision is not None:
-        env[launch_env.MIXED_PRECISION] = validate_mixed_precision(mixed_precision)
+        env[env_vars.MIXED_PRECISION] = validate_mixed_precision(mixed_precision)
     if gradient_accumulation_steps is not None:
-        env[launch_env.GRADIENT_ACCUMULATION_STEPS] = str(gradient_accumulation_steps)
+        env[env_vars.GRADIENT_ACCUMULATION_STEPS] = str(gradient_accumulation_steps)
     if timeout is not None:
-        env[launch_env.TIMEOUT] = f"{timeout:g}"
+        env[env_vars.TIMEOUT] = f"{timeout:g}"
     if parallelism is not None:
         if not is_auto(parallelism):
             ParallelismConfig.from_string(parallelism)  # a wrong string fails here, not in N workers
-        env[launch_env.PARALLELISM] = parallelism.strip()
+        env[env_vars.PARALLELISM] = parallelism.strip()
     if activation_checkpointing is not None:
-        env[launch_env.ACTIVATION_CHECKPOINTING] = activation_checkpointing.strip()
+        env[env_vars.ACTIVATION_CHECKPOINTING] = activation_checkpointing.strip()
     if plugin is not None:
-        env[launch_env.PLUGIN] = plugin
+        env[env_vars.PLUGIN] = plugin
     if rendezvous_host is not None:
         env.update(socket_interfaces(rendezvous_host, local_addr))
     if "OMP_NUM_THREADS" not in os.environ:
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
         env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
-    env[launch_env.LAUNCHER_PID] = str(os.getpid())  # the agent runs here: the workers' parent
+    env[env_vars.LAUNCHER_PID] = str(os.getpid())  # the agent runs here: the workers' parent
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # c10d only: fresh store per restart attempt
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
     return env
@@ -291,14 +285,14 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
             local_addr=options.local_addr,
         )
         if options.debug:
-            env[launch_env.DEBUG] = "1"
+            env[env_vars.DEBUG] = "1"
         if options.peak_flops is not None:
-            env[launch_env.PEAK_FLOPS] = repr(float(options.peak_flops))
+            env[env_vars.PEAK_FLOPS] = repr(float(options.peak_flops))
         if options.numerics is not None:
-            env[launch_env.NUMERICS] = options.numerics
+            env[env_vars.NUMERICS] = options.numerics
         env.update(compile_variables(options))
         if sources is not None:
-            env[launch_env.CONFIG_SOURCES] = sources
+            env[env_vars.CONFIG_SOURCES] = sources
         with exported(env), quiet_agent_shutdown():
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:

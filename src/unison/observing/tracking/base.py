@@ -64,11 +64,11 @@ class GeneralTracker:
 
 
 _TRACKERS = {
-    LoggerType.JSONL: ("unison.tracking.files", "JSONLinesTracker", None),
-    LoggerType.CSV: ("unison.tracking.files", "CSVTracker", None),
-    LoggerType.TENSORBOARD: ("unison.tracking.tensorboard", "TensorBoardTracker", "tensorboard"),
-    LoggerType.MLFLOW: ("unison.tracking.mlflow", "MLflowTracker", "mlflow"),
-    LoggerType.WANDB: ("unison.tracking.wandb", "WandBTracker", "wandb"),
+    LoggerType.JSONL: ("unison.observing.tracking.files", "JSONLinesTracker", None),
+    LoggerType.CSV: ("unison.observing.tracking.files", "CSVTracker", None),
+    LoggerType.TENSORBOARD: ("unison.observing.tracking.tensorboard", "TensorBoardTracker", "tensorboard"),
+    LoggerType.MLFLOW: ("unison.observing.tracking.mlflow", "MLflowTracker", "mlflow"),
+    LoggerType.WANDB: ("unison.observing.tracking.wandb", "WandBTracker", "wandb"),
 }
 """name -> (module, class, the extra that installs its library, None: nothing to install)."""
 
@@ -79,7 +79,7 @@ def tracker_class(name: LoggerType) -> type[GeneralTracker]:
         available = ", ".join(repr(n.value) for n in _TRACKERS)
         raise ValueError(
             f"log_with={name.value!r}: unison does not provide this tracker yet. Use one of {available}, "
-            "or pass an instance of your own unison.tracking.GeneralTracker subclass."
+            "or pass an instance of your own unison.observing.tracking.GeneralTracker subclass."
         )
     module, cls, extra = _TRACKERS[name]
     try:

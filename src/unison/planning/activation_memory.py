@@ -40,8 +40,8 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from unison import memory
-from unison.parallel.checkpointing import SELECTIVE_OP, checkpointed_block_count, saved_ops
+from ..parallel.checkpointing import SELECTIVE_OP, checkpointed_block_count, saved_ops
+from . import memory
 
 
 def estimate_activation_bytes(

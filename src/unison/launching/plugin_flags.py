@@ -3,7 +3,7 @@
 A job script written for Accelerate says `accelerate launch --use_fsdp --fsdp_sharding_strategy
 FULL_SHARD train.py`. The same flags after `unison launch` build the FullyShardedDataParallelPlugin (or
 DeepSpeedPlugin) those flags would build, which the launcher checks against the process count before any
-worker starts and exports as JSON (launch_env.PLUGIN) for `Accelerator()` to read (unison.plugins).
+worker starts and exports as JSON (env_vars.PLUGIN) for `Accelerator()` to read (unison.plugins).
 Flags of a plugin that was not chosen, and flags of options unison cannot carry out, are errors.
 """
 
@@ -12,8 +12,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from ..launch_options import LaunchError
 from ..plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, plugin_to_env
+from .errors import LaunchError
 
 # flag -> (plugin field, value type); "bool" takes Accelerate's true/false strings
 FSDP_FLAGS = {

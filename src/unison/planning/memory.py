@@ -57,7 +57,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from unison.parallel.blocks import find_blocks
+from ..parallel.blocks import find_blocks
 
 
 class TargetError(ValueError):
@@ -326,91 +326,6 @@ def activation_bytes(
         per_layer += attention_heads * seq_len**2 * micro_batch_size * (2 * e + 1) / t
     logits = 4 * seq_len * micro_batch_size * shape.vocab / t if shape.vocab else 0
     return math.ceil(per_layer * shape.layers + logits)
-
-
-def estimate(
-    shape: ModelShape,
-    devices: int,
-    micro_batch_size: int | None = None,
-    seq_len: int | None = None,
-    attention_heads: int | None = None,
-    activation_checkpointing: str | None = None,
-) -> MemoryEstimate:
-    """Bytes per device for every precision in PRECISIONS and strategy in STRATEGIES at `devices`.
-
-    `activation_checkpointing` is a mode of parallel.checkpointing ("full", "selective:op",
-    "selective:K", canonical as normalize_mode returns it) or None; its activations come from
-    unison.activation_memory."""
-    from unison.activation_memory import cast_parameters, estimate_activation_bytes  # builds on this module
-
-    if devices < 1:
-        raise ValueError(f"devices={devices}: need at least one device.")
-    if (micro_batch_size is None) != (seq_len is None):
-        raise ValueError(
-            f"micro_batch_size={micro_batch_size}, seq_len={seq_len}: activations need both; "
-            "give both or neither."
-        )
-    fp32 = PRECISIONS[0]
-    offloaded = host_bytes("zero3_offload", fp32, shape.parameters, shape.trainable_parameters, devices)
-    notes = [
-        "TP and PP rows are estimates: ~1/N of the model state (replicated norms/biases and uneven "
-        "stages add some).",
-        f"ZeRO-2/3 rows include the largest FSDP2 unit ({shape.largest_unit or shape.parameters:,} "
-        "parameters: a block, or everything outside the blocks) held whole: its gradients before the "
-        "reduce-scatter, and under ZeRO-3 its parameters while it computes (as `unison plan` counts).",
-        "bf16-mixed is mixed_precision='bf16' as unison runs it: fp32 master parameters, gradients and Adam "
-        "state, bf16 compute; its parameter column adds autocast's bf16 weight copies kept for backward "
-        "(2 bytes per trainable parameter computed on the device) except under ZeRO-2/3, whose FSDP2 "
-        "gathers bf16 weights (ZeRO-2 holds them whole beside its fp32 shards).",
-        "ZeRO-3 + offload keeps parameters, gradients and Adam state in host memory "
-        f"({format_bytes(offloaded)} per process in fp32); the device holds the unit being computed and "
-        "the activations.",
-    ]
-    with_activations = micro_batch_size is not None
-    if with_activations and shape.layers is None:
-        notes.append("not recognised as a transformer (no block list with attention): activations skipped.")
-        with_activations = False
-    elif with_activations:
-        notes.append(
-            f"activations: Korthikanti et al. 2022, {shape.layers} blocks ({shape.blocks}), hidden "
-            f"{shape.hidden}, "
-            + (
-                f"activation checkpointing {activation_checkpointing} (docs/memory-estimator.md), "
-                if activation_checkpointing
-                else "no recomputation, "
-            )
-            + (f"attention scores stored ({attention_heads} heads)" if attention_heads else "fused attention")
-            + (f", fp32 logits over vocabulary {shape.vocab}" if shape.vocab else "")
-            + "; PP assumes 1F1B."
-        )
-    rows = []
-    for precision in PRECISIONS:
-        for strategy, _, is_estimate in STRATEGIES:
-            p, g, o = model_state_bytes(
-                strategy, precision, shape.parameters, shape.trainable_parameters, devices
-            )
-            if devices > 1:
-                unit = shape.largest_unit or shape.parameters
-                extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
-                p, g = p + extra_p, g + extra_g
-            split = devices if strategy in ("tp", "pp") else 1
-            computed = math.ceil(shape.trainable_parameters / split)
-            p += autocast_copy_bytes(
-                precision, cast_parameters(shape, activation_checkpointing, computed, split), strategy
-            )
-            activations = None
-            if with_activations:
-                activations = estimate_activation_bytes(
-                    shape,
-                    micro_batch_size,
-                    seq_len,
-                    precision.activation_bytes,
-                    activation_checkpointing,
-                    tensor_parallel=devices if strategy == "tp" else 1,
-                    attention_heads=attention_heads,
-                )
-            rows.append(DeviceMemory(precision.name, strategy, is_estimate, p, g, o, activations))
-    return MemoryEstimate(shape, devices, micro_batch_size, seq_len, tuple(rows), tuple(notes))
 
 
 def format_bytes(count: float) -> str:

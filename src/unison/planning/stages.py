@@ -3,7 +3,7 @@
 unison's pipeline split (unison.parallel.pipeline_split) cuts the blocks into contiguous stages of the
 smallest largest parameter count, counting the embedding with the first block and the output layer with
 the last, so when the stages do not divide the blocks, some hold one block more, and the end stages hold
-fewer blocks to make room for the embedding and the output layer. The cost model (unison.cost_model)
+fewer blocks to make room for the embedding and the output layer. The cost model (unison.planning.cost_model)
 needs the FLOPs of the busiest device of that split: the embedding costs next to nothing (a lookup), the
 output layer as much as its matrix multiplication. This module reproduces that split in closed form rather
 than running the parallel layer's dynamic programme (O(stages x blocks²)), too slow for every layout the

@@ -2,7 +2,7 @@
 
 Every flag is validated here, on the launching machine, so a typo or an impossible layout fails once
 with a message naming the flag, instead of in N workers after they have formed a process group. The
-running part (torch.distributed.run, the workers' environment, the rendezvous) is unison.launcher's.
+running part (torch.distributed.run, the workers' environment, the rendezvous) is unison.launching.launcher's.
 """
 
 from __future__ import annotations
@@ -15,12 +15,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import launch_env
-from .parallel.checkpointing import normalize_mode
-from .parallel.config import ParallelismConfig, auto_options, is_auto
-from .plugins import layout_of, read_plugin
-from .state import validate_mixed_precision
-from .throughput import check_peak_flops
+from .. import env_vars
+from ..observing.throughput import check_peak_flops
+from ..parallel.checkpointing_modes import normalize_mode
+from ..parallel.config import ParallelismConfig, auto_options, is_auto
+from ..plugins import layout_of, read_plugin
+from ..state import validate_mixed_precision
+from .errors import LaunchError
 
 MAX_AUTO_CPU_PROCESSES = 4
 """`--nproc-per-node auto` without GPUs: one process per usable core, at most this many.
@@ -30,10 +31,6 @@ gloo all-reduce through loopback grows with the number of processes and soon dom
 the engine notes: communication already dominates at two processes). A few processes, each with its
 share of the cores as OpenMP threads, is the sensible default; ask for more by number.
 """
-
-
-class LaunchError(ValueError):
-    """A launch flag is wrong; raised before any worker process starts."""
 
 
 @dataclass(frozen=True)
@@ -58,14 +55,14 @@ class LaunchOptions:
     mixed_precision: str | None = None
     gradient_accumulation_steps: int | None = None
     timeout: float | None = None
-    debug: bool = False  # --debug: check every collective across ranks (launch_env.DEBUG)
+    debug: bool = False  # --debug: check every collective across ranks (env_vars.DEBUG)
     parallelism: str | None = None
-    activation_checkpointing: str | None = None  # launch_env.ACTIVATION_CHECKPOINTING
-    plugin: str | None = None  # launch_env.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
+    activation_checkpointing: str | None = None  # env_vars.ACTIVATION_CHECKPOINTING
+    plugin: str | None = None  # env_vars.PLUGIN's JSON, from Accelerate's --use_fsdp / --use_deepspeed
     dynamo_backend: str | None = None  # --dynamo-backend: torch.compile at prepare() (parallel/compiling.py)
     dynamo_mode: str | None = None
-    peak_flops: float | None = None  # --peak-flops: one device's FLOP/s for MFU (launch_env.PEAK_FLOPS)
-    numerics: str | None = None  # --numerics: unison or accelerate (launch_env.NUMERICS, numerics.py)
+    peak_flops: float | None = None  # --peak-flops: one device's FLOP/s for MFU (env_vars.PEAK_FLOPS)
+    numerics: str | None = None  # --numerics: unison or accelerate (env_vars.NUMERICS, numerics.py)
 
 
 def usable_cpu_count() -> int:
@@ -165,14 +162,14 @@ def validate(options: LaunchOptions) -> int:
 
 def compile_variables(options: LaunchOptions) -> dict[str, str]:
     """UNISON_DYNAMO_* for --dynamo-backend / --dynamo-mode (checked: LaunchError naming the fix)."""
-    from .parallel.compiling import check_backend, check_mode
+    from ..parallel.compiling import check_backend, check_mode
 
     env = {}
     try:
         if options.dynamo_backend is not None:
-            env[launch_env.DYNAMO_BACKEND] = check_backend(options.dynamo_backend)
+            env[env_vars.DYNAMO_BACKEND] = check_backend(options.dynamo_backend)
         if options.dynamo_mode is not None:
-            env[launch_env.DYNAMO_MODE] = check_mode(options.dynamo_mode)
+            env[env_vars.DYNAMO_MODE] = check_mode(options.dynamo_mode)
     except (ValueError, TypeError) as error:
         raise LaunchError(f"--dynamo-backend/--dynamo-mode: {error}") from None
     return env

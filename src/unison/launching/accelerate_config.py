@@ -14,8 +14,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from .commands.plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
-from .launch_config import ConfigError
+from .errors import ConfigError
+from .plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
 
 _DATA_PARALLEL = {"NO", "MULTI_GPU", "MULTI_CPU"}  # DDP, or one process: unison's default layout
 

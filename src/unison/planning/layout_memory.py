@@ -1,4 +1,4 @@
-"""What one device holds under a planned layout: the formulas of `unison.memory` applied to one config.
+"""What one device holds under a planned layout: the formulas of `memory` applied to one config.
 
 The planner ranks layouts and takes the first that fits; this module is the pricing it ranks by (model
 state of this device's share, ZeRO's gathered unit, autocast's copies, activations), apart from the
@@ -12,13 +12,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from unison import memory
-from unison.activation_memory import estimate_activation_bytes
-from unison.parallel.checkpointing import FULL
-from unison.parallel.config import ParallelismConfig
+from ..parallel.checkpointing_modes import FULL
+from ..parallel.config import ParallelismConfig
+from . import memory
+from .activation_memory import estimate_activation_bytes
 
 if TYPE_CHECKING:  # the planner's types; the planner imports this module
-    from unison.plan_inputs import ModelFacts, Workload
+    from .inputs import ModelFacts, Workload
 
 
 @dataclass(frozen=True)
