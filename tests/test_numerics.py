@@ -13,7 +13,7 @@ import json
 import pytest
 import torch
 from launching import WORKERS, describe, launch, launch_ok
-from numerics_worker import reference, train
+from numerics_worker import order_reference, reference, shuffled_batches, train
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -155,11 +155,26 @@ def test_two_processes(tmp_path):
         assert switched["lr"] == pytest.approx(switched["reference_lr_accelerate"], abs=1e-12)
         assert switched["lr"] == pytest.approx(0.0, abs=1e-12) and default["lr"] > 1e-2
         assert switched["lines"] == []
+        # a shuffled loader: Accelerate's order under the switch, PyTorch's by default (the two differ)
+        accelerate_order, torch_order = (
+            order_reference("accelerate", 2, rank),
+            order_reference("unison", 2, rank),
+        )
+        assert accelerate_order["batches"] != torch_order["batches"]
+        assert record["order_accelerate"] == accelerate_order, (record["order_accelerate"], accelerate_order)
+        assert record["order_default"] == torch_order, (record["order_default"], torch_order)
         if rank == 0:
             assert sorted(_kinds(default["lines"])) == ["scheduler", "window"], default["lines"]
             assert _kinds(record["split_batches_lines"]) == ["window"], record["split_batches_lines"]
         else:
             assert default["lines"] == [] and record["split_batches_lines"] == []
+
+
+def test_one_process_order_is_torch_s_under_both(fresh_state, monkeypatch):
+    """On one process Accelerate leaves the shuffle as PyTorch's, so the switch changes no order."""
+    assert shuffled_batches() == order_reference("unison", 1, 0)
+    monkeypatch.setenv("UNISON_NUMERICS", "accelerate")
+    assert shuffled_batches() == order_reference("accelerate", 1, 0) == order_reference("unison", 1, 0)
 
 
 def test_the_launch_flag_refuses_a_bad_value_before_any_worker_starts(tmp_path):

@@ -331,6 +331,7 @@ class PreparationMethods:
             non_blocking=self.non_blocking,
             data_seed=self.dataloader_config.data_seed,
             use_seedable_sampler=self.use_seedable_sampler,
+            shuffle_seeded_at_prepare=self._numerics.accelerate,  # Accelerate's order on N processes
         )
         prepared.unjoined_warning = unjoined_warning
         self._remember(data_loader, prepared)

@@ -7,9 +7,12 @@ epoch ends with a one-micro-batch window), 3 epochs, AdamW and a linear schedule
 transformers' *_no_trainer scripts size it (warmup and length times num_processes, because Accelerate
 steps it num_processes times per optimizer step).
 
+Beside it, a shuffled loader as nlp_example prepares it (no generator of its own): the batches each
+process reads over two passes, under each convention, for the test to compare with `order_reference`.
+
 Usage: unison launch --numerics accelerate numerics_worker.py OUT_DIR. Each rank writes
 OUT_DIR/rank{R}.json with, per run, the largest parameter distance to each reference, the final
-learning rate and the unison warning lines it logged.
+learning rate and the unison warning lines it logged, and the shuffled batches it read.
 """
 
 from __future__ import annotations
@@ -23,12 +26,13 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 
 from unison import Accelerator
 from unison.utils import DataLoaderConfiguration, set_seed
 
 GLOBAL_BATCH, BATCHES_PER_EPOCH, ACCUMULATION, EPOCHS, LR, WARMUP = 8, 25, 2, 3, 3e-2, 2
+ORDER_ROWS, ORDER_BATCH, ORDER_SEED, ORDER_PASSES = 20, 2, 7, 2
 
 
 def make_data() -> TensorDataset:
@@ -136,6 +140,44 @@ def train(epochs: int = EPOCHS, split_batches: bool = False, **accelerator_args)
         logging.getLogger("unison").removeHandler(lines)
 
 
+def shuffled_batches() -> dict:
+    """A shuffled DataLoader with no generator, prepared: this process's batches over ORDER_PASSES
+    passes, and the global RNG's next draw after them (what dropout would draw)."""
+    accelerator = Accelerator(cpu=True)
+    set_seed(ORDER_SEED)
+    loader = DataLoader(list(range(ORDER_ROWS)), batch_size=ORDER_BATCH, shuffle=True)
+    loader = accelerator.prepare(loader)
+    batches = [batch.tolist() for _ in range(ORDER_PASSES) for batch in loader]
+    return {"batches": batches, "next_draw": torch.rand(()).item()}
+
+
+def _draw(generator: torch.Generator | None = None) -> int:
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def order_reference(rule: str, num_processes: int, process_index: int) -> dict:
+    """`shuffled_batches` by hand; step i gives process r the pass's batch num_processes * i + r.
+
+    rule "unison": plain PyTorch's order, each pass drawing the loader's base seed and then the
+    permutation's seed from the global RNG. rule "accelerate": Accelerate 1.15's prepare_data_loader on
+    more than one process, which gives the sampler a generator seeded by one global draw at prepare()
+    and draws every pass's permutation from it (the base seed still comes from the global RNG); on one
+    process Accelerate keeps PyTorch's order. Checked against Accelerate 1.15.0 itself (2 processes,
+    2026-11-26): the same batches on both ranks and the same next global draw."""
+    set_seed(ORDER_SEED)
+    shuffle = None
+    if rule == "accelerate" and num_processes > 1:
+        shuffle = torch.Generator().manual_seed(_draw())
+    batches = []
+    for _ in range(ORDER_PASSES):
+        _draw()  # the loader's base seed
+        source = shuffle if shuffle is not None else torch.Generator().manual_seed(_draw())
+        order = list(RandomSampler(range(ORDER_ROWS), generator=source))  # its draws, not only randperm's
+        pass_batches = [order[i : i + ORDER_BATCH] for i in range(0, ORDER_ROWS, ORDER_BATCH)]
+        batches += pass_batches[process_index::num_processes]
+    return {"batches": batches, "next_draw": torch.rand(()).item()}
+
+
 def distance(a: nn.Module, b: nn.Module) -> float:
     return max((p - q).abs().max().item() for p, q in zip(a.parameters(), b.parameters()))
 
@@ -157,8 +199,10 @@ def main() -> None:
     out_dir = Path(sys.argv[1])
     record = {"exported": os.environ.get("UNISON_NUMERICS")}
     record["env_accelerate"] = summary(train(), 2)
+    record["order_accelerate"] = shuffled_batches()
     del os.environ["UNISON_NUMERICS"]
     record["default"] = summary(train(), 2)
+    record["order_default"] = shuffled_batches()
     split = train(epochs=1, split_batches=True)
     record["split_batches_lines"] = split["lines"]
     rank = int(os.environ["RANK"])

@@ -3,8 +3,8 @@
 The new loader keeps everything the user chose (dataset, collate_fn, workers, pinning, generator,
 ...) and changes only who reads what: a sharded batch sampler for map-style data, a shard of the
 stream for iterable data, or process 0 dispatching (the default for iterable data, which cannot be
-split by index). A torch RandomSampler is replaced by a SeedableRandomSampler so that all processes
-shuffle alike and every epoch differently.
+split by index). A torch RandomSampler draws each pass's order as plain PyTorch does, from process 0's
+generator states (torch_order), or, with use_seedable_sampler, from (seed, epoch) (randomness).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.utils.data import BatchSampler, DataLoader, IterableDataset
+from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSampler
 
 from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
@@ -27,7 +27,7 @@ from .sharding import (
     check_process_index,
     check_split,
 )
-from .torch_order import TorchOrderRandomSampler
+from .torch_order import TorchOrderRandomSampler, draw_int64
 
 logger = logging.getLogger("unison")
 
@@ -45,6 +45,7 @@ def prepare_data_loader(
     non_blocking: bool | None = None,
     data_seed: int | None = None,
     use_seedable_sampler: bool = False,
+    shuffle_seeded_at_prepare: bool = False,
 ) -> DataLoaderShard | DataLoaderDispatcher:
     """A DataLoaderShard (each process reads its shard) or DataLoaderDispatcher (process 0 reads).
 
@@ -56,6 +57,11 @@ def prepare_data_loader(
     function of (seed, epoch) instead (see randomness): data_seed is that seed (default: the loader's
     generator's seed, else torch's initial seed, which set_seed sets); process 0's value is used
     everywhere.
+    shuffle_seeded_at_prepare=True gives Accelerate's order on several processes (what
+    numerics="accelerate" asks for): a shuffle with no generator of its own gets one here, seeded by one
+    draw of the global RNG, and every pass draws its permutation from it (process 0's state), where
+    plain PyTorch draws a fresh seed at each pass. Accelerate does so for map-style data read in shards
+    by more than one process; on one process, or with use_seedable_sampler, it changes nothing.
     With split_batches, a batch size that is not a multiple of num_processes is a ValueError, raised
     on every process since every process prepares the same loader; so is even_batches=False for an
     IterableDataset read in shards, which always evens its last round.
@@ -91,7 +97,8 @@ def prepare_data_loader(
         "pin_memory": pin_memory,
     }
     dataset = dataloader.dataset
-    batching = _batching(dataloader, seedable, data_seed)
+    seeded_at_prepare = shuffle_seeded_at_prepare and num_processes > 1 and not dispatch_batches
+    batching = _batching(dataloader, seedable, data_seed, seeded_at_prepare)
 
     if dispatch_batches:
         if (num_processes, process_index) != (state.num_processes, state.process_index):
@@ -132,15 +139,24 @@ def prepare_data_loader(
     return DataLoaderShard(dataset, **batching, **common)
 
 
-def _batching(dataloader: DataLoader, seedable: bool, data_seed: int | None) -> dict[str, Any]:
+def _batching(
+    dataloader: DataLoader, seedable: bool, data_seed: int | None, seeded_at_prepare: bool
+) -> dict[str, Any]:
     """The loader's index sampling as DataLoader arguments, its shuffle one that processes agree on."""
     if isinstance(dataloader.dataset, IterableDataset):
         return {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
 
+    def torch_order(shuffle: RandomSampler) -> TorchOrderRandomSampler:
+        replaced = TorchOrderRandomSampler(shuffle)
+        if seeded_at_prepare and replaced.generator is None:
+            # Accelerate's prepare_data_loader: one global draw seeds the generator of every pass
+            replaced.generator = torch.Generator().manual_seed(draw_int64(torch.default_generator))
+        return replaced
+
     def agreed(sampler: Any) -> Any:
         if seedable:
             return with_seedable_sampler(sampler, data_seed)
-        return with_replaced_shuffle(sampler, TorchOrderRandomSampler)
+        return with_replaced_shuffle(sampler, torch_order)
 
     if dataloader.batch_sampler is not None:
         return {"batch_sampler": agreed(dataloader.batch_sampler)}
