@@ -93,7 +93,8 @@ class Accelerator(
     output of a prepared model back in fp32 (Accelerate), False none, None (default) all but the logits
     of a model that returned its own loss (see PrecisionPolicy.outputs_to_fp32). `numerics` (unison's):
     "unison" (default) or "accelerate" for Accelerate's numbers where the two deliberately differ (a
-    short accumulation window, the scheduler's steps on several processes); None reads UNISON_NUMERICS.
+    short accumulation window, the scheduler's steps and a shuffled loader's order on several
+    processes); None reads UNISON_NUMERICS.
     """
 
     def __init__(

@@ -7,11 +7,15 @@ Two conventions change numbers (docs/migrating-from-accelerate.md, "Deliberate d
 - a prepared scheduler with split_batches=False on N > 1 processes: unison steps it once per optimizer
   step; Accelerate steps it N times (its AcceleratedScheduler).
 
+Beside them, the order of a shuffled loader with no generator of its own, on N > 1 processes: unison
+draws PyTorch's (one process's) order; Accelerate seeds a generator once at prepare() (data/prepare.py).
+
 `numerics="unison"` (the default) keeps unison's; `numerics="accelerate"`, or the environment variable
-UNISON_NUMERICS=accelerate for a script left unchanged, gives Accelerate's, so a migrated script
-reproduces its Accelerate run. Under the default, `NumericsNotice.differs` says once per run and
+UNISON_NUMERICS=accelerate for a script left unchanged, gives Accelerate's for all three, so a migrated
+script reproduces its Accelerate run. Under the default, `NumericsNotice.differs` says once per run and
 convention, on the main process, the first time a convention changes a number, naming the switch; it
-says nothing while the two agree. This module knows only the launch contract (env_vars) and logging.
+says nothing while the two agree, nor about the order (another permutation drawn, no rule changed).
+This module knows only the launch contract (env_vars) and logging.
 """
 
 from __future__ import annotations
