@@ -1,12 +1,39 @@
 #!/usr/bin/env bash
-# Command 2: install what is missing (library and test tools), prove the library works in a fresh
-# environment with only its declared dependencies (scripts/check_fresh_env.sh, about a minute), then
-# run the whole test suite. Extra arguments go to pytest; UNISON_SKIP_FRESH_ENV=1 skips the fresh
-# environment for a quick local re-run (CI never sets it).
+# Command 2: install what is missing (library and test tools), then run the whole test suite and, beside
+# it, prove the library works in a fresh environment with only its declared dependencies
+# (scripts/check_fresh_env.sh, about a minute and a half).
+#
+# The suite runs in two parts. Most tests run on UNISON_TEST_WORKERS pytest-xdist workers (default 2,
+# one per core of our CI machines), whole files to a worker (--dist loadfile: a file's launches and
+# module fixtures stay together), while the fresh environment is built. Then the tests marked `serial`,
+# which assert how many seconds something takes (a crash ended, a hang reported), run alone.
+# Extra arguments go to pytest (both parts); UNISON_SKIP_FRESH_ENV=1 skips the fresh environment for a
+# quick local re-run (CI never sets it).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
 bash scripts/install.sh test
+
+fresh_pid=""
+fresh_log="$(mktemp -t unison-fresh-env-XXXXXX.log)"
+trap 'rm -f "$fresh_log"; [ -z "$fresh_pid" ] || kill "$fresh_pid" 2>/dev/null || true' EXIT
 if [ "${UNISON_SKIP_FRESH_ENV:-0}" != "1" ]; then
-  bash scripts/check_fresh_env.sh
+  bash scripts/check_fresh_env.sh > "$fresh_log" 2>&1 &
+  fresh_pid=$!
 fi
-exec "${PYTHON:-python3}" -m pytest "$@"
+
+# pytest exits 5 when a part selects no test (e.g. arguments that name only serial tests): not a failure.
+run_part() { "$PY" -m pytest "$@" || { status=$?; [ "$status" -eq 5 ] || return "$status"; }; }
+
+parallel=0
+run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile -m "not serial" "$@" || parallel=$?
+fresh=0
+if [ -n "$fresh_pid" ]; then
+  wait "$fresh_pid" || fresh=$?
+  fresh_pid=""
+  cat "$fresh_log"
+  [ "$fresh" -eq 0 ] || echo "[fresh env] FAILED (exit $fresh): see the lines above"
+fi
+serial=0
+run_part -m serial "$@" || serial=$?
+[ "$parallel" -eq 0 ] && [ "$fresh" -eq 0 ] && [ "$serial" -eq 0 ]

@@ -14,6 +14,9 @@ from launching import WORKERS, describe, launch
 
 WORKER = WORKERS / "hang_worker.py"
 
+# every test here asserts how soon a hang is reported: run alone, after the parallel part (scripts/test.sh)
+pytestmark = pytest.mark.serial
+
 
 def line_of(code: str) -> int:
     """The line number of the worker's line that contains `code` (so the tests survive edits above it)."""

@@ -82,6 +82,7 @@ def test_launch_prefixes_output_and_exports_flags(tmp_path, nproc):
     assert "warn" not in result.stderr.lower(), result.stderr
 
 
+@pytest.mark.serial
 def test_crash_on_one_rank_ends_the_launch_quickly_naming_that_rank(tmp_path):
     """Rank 1 raises; rank 0 waits in a collective, rank 2 in none. The group timeout is 300 s: a launch
     that waited for it would take over five minutes. Every process ends within 10 s of the failure (about
@@ -177,6 +178,7 @@ def test_static_two_node_launch_on_one_host(tmp_path):
         assert seen["sum"] == 3.0
 
 
+@pytest.mark.serial
 def test_missing_script_fails_before_starting_workers():
     start = time.monotonic()
     result = launch("tests/workers/no_such_script.py", 2)
@@ -337,6 +339,7 @@ def test_env_report():
     assert "  SLURM_JOB_ID: 1234" in text.stdout.splitlines()
 
 
+@pytest.mark.serial
 def test_notebook_launcher():
     """notebook_launcher from a plain script whose functions live in __main__ (forked, as in a notebook)."""
     result = subprocess.run(

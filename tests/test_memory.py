@@ -154,6 +154,7 @@ def test_non_transformer_gets_no_activation_estimate():
     assert len(result.rows) == len(memory.PRECISIONS) * len(memory.STRATEGIES)
 
 
+@pytest.mark.serial
 def test_7b_llama_like_builds_on_meta_instantly(tmp_path):
     start = time.perf_counter()
     with torch.device("meta"):

@@ -28,6 +28,7 @@ def test_peak_is_known_for_data_center_gpus_and_none_on_a_cpu(monkeypatch):
     assert peak_flops(torch.device("cuda", 0)) is None
 
 
+@pytest.mark.serial
 def test_the_meter_divides_what_the_loop_reports_by_the_time_it_took():
     meter = Throughput(flops_per_token=6e6, peak_flops=1e12, devices=2)
     for _ in range(3):
@@ -44,6 +45,7 @@ def test_the_meter_divides_what_the_loop_reports_by_the_time_it_took():
         Throughput(devices=0)
 
 
+@pytest.mark.serial
 def test_paused_time_does_not_count_against_the_rate():
     meter = Throughput()
     meter.step(tokens=100)
