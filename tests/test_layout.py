@@ -13,6 +13,8 @@ from __future__ import annotations
 import ast
 import importlib.util
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import unison
@@ -179,3 +181,23 @@ def test_the_lazy_public_names_are_the_imported_ones():
     assert typed == set(unison._EXPORTS)
     assert set(unison.__all__) == typed | {"__version__"}
     assert all(getattr(unison, name) is not None for name in unison.__all__)
+
+
+def test_the_commands_help_runs_without_torch():
+    """`unison --help` and every `unison COMMAND --help` print with torch unimportable: help must not
+    wait for torch (1.5 s on a quiet machine, 30 s under load), nor need it."""
+    script = (
+        "import sys\n"
+        "sys.modules['torch'] = None\n"
+        "from unison.commands.main import build_parser, main\n"
+        "commands = [a for a in build_parser()._actions if a.dest == 'command'][0].choices\n"
+        "for argv in [['--help']] + [[name, '--help'] for name in commands]:\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit as end:\n"
+        "        assert end.code == 0, (argv, end.code)\n"
+        "print('commands:', ' '.join(commands))\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "commands: launch env config estimate-memory plan plot" in result.stdout

@@ -5,6 +5,10 @@ the variables below, and `Accelerator()` reads them as its defaults. Arguments g
 win. The same variables can be exported by hand, so `python train.py`, torchrun and srun runs can be
 configured without touching the script.
 
+The defaults and checks of the values both sides use live here too (the timeouts, the mixed-precision
+choices, a peak FLOP/s): this module imports no torch, so the command line's help and its checks of a
+flag need none.
+
 | variable                             | Accelerator argument          | values            |
 | ------------------------------------ | ----------------------------- | ----------------- |
 | UNISON_MIXED_PRECISION               | mixed_precision               | no, bf16, fp16    |
@@ -23,6 +27,7 @@ configured without touching the script.
 
 from __future__ import annotations
 
+import math
 import os
 
 MIXED_PRECISION = "UNISON_MIXED_PRECISION"
@@ -95,3 +100,38 @@ def env_bool(name: str, default: bool) -> bool:
     if value in _FALSE:
         return False
     raise ValueError(f"{name}={raw!r} is not a boolean; export {name}=1 or {name}=0.")
+
+
+DEFAULT_TIMEOUT_SECONDS = 300.0
+"""How long a rank may wait in one collective once training runs (after the first optimizer step)
+before the hang watchdog reports a stall: a step, an evaluation or a checkpoint that rank 0 writes alone
+while the others wait fits in it on any reasonable setup."""
+DEFAULT_FIRST_STEP_TIMEOUT_SECONDS = 900.0
+"""The same limit until the first optimizer step: start-up may compile, warm data pipelines up or have
+rank 0 download what the others wait for. An explicit timeout applies to both."""
+
+MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
+
+
+def validate_mixed_precision(value: str) -> str:
+    normalised = str(value).lower()
+    if normalised not in MIXED_PRECISION_CHOICES:
+        raise ValueError(
+            f"mixed_precision={value!r} is unknown: choose one of {', '.join(MIXED_PRECISION_CHOICES)} "
+            "(bf16 works on CPUs and recent GPUs; fp16 needs a GPU to be fast)."
+        )
+    return normalised
+
+
+def check_peak_flops(value: float | str, name: str = "peak_flops") -> float:
+    """`value` as a float if it is a finite number of FLOP/s above 0, else a ValueError naming the fix."""
+    try:
+        peak = float(value)
+    except (TypeError, ValueError):
+        peak = math.nan
+    if not (math.isfinite(peak) and peak > 0):
+        raise ValueError(
+            f"{name}={value!r} is not a positive number of FLOP/s: give one device's peak, e.g. 1e12 for "
+            "1 TFLOP/s (an H100's dense bf16 peak is 989e12)."
+        )
+    return peak

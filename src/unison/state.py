@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import env_vars, network
+from .env_vars import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_mixed_precision
 from .environment import ProcessLayout, detect_layout
 from .health.failure import end_fast_on_uncaught_error
 from .health.watchdog import Watchdog
@@ -34,13 +35,6 @@ from .splitting import split_for_process
 
 logger = logging.getLogger("unison")
 
-DEFAULT_TIMEOUT_SECONDS = 300.0
-"""How long a rank may wait in one collective once training runs (after the first optimizer step)
-before the hang watchdog reports a stall: a step, an evaluation or a checkpoint that rank 0 writes alone
-while the others wait fits in it on any reasonable setup."""
-DEFAULT_FIRST_STEP_TIMEOUT_SECONDS = 900.0
-"""The same limit until the first optimizer step: start-up may compile, warm data pipelines up or have
-rank 0 download what the others wait for. An explicit timeout applies to both."""
 BACKSTOP_SECONDS = 60.0
 """The process group's own timeout is the watchdog's limit plus this: it ends the waits the watchdog
 cannot see (collectives torch issues from C++, such as DDP's in backward)."""
@@ -482,9 +476,6 @@ class GradientState:
         cls._shared_state.clear()
 
 
-MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
-
-
 class AcceleratorState:
     """PartialState plus the training settings of the process's Accelerator (one set per process).
 
@@ -554,16 +545,6 @@ class AcceleratorState:
         cls._shared_state.clear()
         if reset_partial_state:
             PartialState._reset_state()
-
-
-def validate_mixed_precision(value: str) -> str:
-    normalised = str(value).lower()
-    if normalised not in MIXED_PRECISION_CHOICES:
-        raise ValueError(
-            f"mixed_precision={value!r} is unknown: choose one of {', '.join(MIXED_PRECISION_CHOICES)} "
-            "(bf16 works on CPUs and recent GPUs; fp16 needs a GPU to be fast)."
-        )
-    return normalised
 
 
 def wait_for_everyone(name: str | None = None) -> None:

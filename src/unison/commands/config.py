@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..env_vars import validate_mixed_precision
 from ..launching.config_file import (
     DEFAULT_FILE,
     PLUGIN_KEYS,
@@ -22,7 +23,6 @@ from ..launching.config_file import (
     example,
 )
 from ..parallel.checkpointing_modes import normalize_mode
-from ..state import validate_mixed_precision
 
 HEADER = """\
 # unison launch settings: `unison launch` reads this file from the current directory (or --config FILE).

@@ -11,9 +11,6 @@ import re
 import sys
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from .. import __version__, env_vars
 from ..launching.config_file import ConfigError, current_origins, describe
 
@@ -26,6 +23,11 @@ RELEVANT_ENV = re.compile(
 def collect(config: str | None = None) -> dict[str, Any]:
     """Versions, devices, process-group backends, the environment variables that steer a launch, and
     each launch setting with its origin (`config`: the settings file; default ./unison.toml if present)."""
+    # torch is what this report describes: imported when the report is made, so `unison env --help`
+    # needs none.
+    import torch
+    import torch.distributed as dist
+
     cuda = torch.cuda.is_available()
     origins, warnings = current_origins(config)
     return {

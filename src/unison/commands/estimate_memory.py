@@ -6,9 +6,13 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
 from ..parallel.checkpointing_modes import normalize_mode
-from ..planning import memory, memory_table
+from ..planning.memory_terms import PRECISIONS, STRATEGIES, format_bytes
+
+if TYPE_CHECKING:
+    from ..planning.memory import MemoryEstimate
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated, even for a 70B model) and print, per
@@ -81,6 +85,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         sys.stderr.write(f"unison estimate-memory: error: {error}\n")
         return 2
+    # Building the model and estimating import torch: loaded when the command runs, so that
+    # `unison estimate-memory --help` needs none.
+    from ..planning import memory, memory_table
+
     try:
         model = memory.build_on_meta(args.target)
     except memory.TargetError as error:
@@ -100,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def to_json(target: str, result: memory.MemoryEstimate) -> str:
+def to_json(target: str, result: MemoryEstimate) -> str:
     rows = [{**dataclasses.asdict(row), "total": row.total} for row in result.rows]
     return json.dumps(
         {
@@ -116,29 +124,27 @@ def to_json(target: str, result: memory.MemoryEstimate) -> str:
     )
 
 
-def format_table(target: str, result: memory.MemoryEstimate) -> str:
+def format_table(target: str, result: MemoryEstimate) -> str:
     shape = result.shape
     lines = [
         f"{target}: {shape.parameters:,} parameters ({shape.trainable_parameters:,} trainable)",
         f"bytes per device at {result.devices} device(s)"
         + (f", micro-batch {result.micro_batch_size} x {result.seq_len} tokens" if result.seq_len else ""),
     ]
-    labels = {
-        name: label + (" (est.)" if is_estimate else "") for name, label, is_estimate in memory.STRATEGIES
-    }
+    labels = {name: label + (" (est.)" if is_estimate else "") for name, label, is_estimate in STRATEGIES}
     header = f"  {'strategy':<26}" + "".join(
         f"{name:>{13 if name == 'activations' else 12}}"
         for name in ("parameters", "gradients", "optimizer", "activations", "total")
     )
-    for precision in memory.PRECISIONS:
+    for precision in PRECISIONS:
         lines += ["", f"{precision.name}: {precision.description}", header]
         for row in (r for r in result.rows if r.precision == precision.name):
             cells = [row.parameters, row.gradients, row.optimizer]
-            activations = "-" if row.activations is None else memory.format_bytes(row.activations)
+            activations = "-" if row.activations is None else format_bytes(row.activations)
             lines.append(
                 f"  {labels[row.strategy]:<26}"
-                + "".join(f"{memory.format_bytes(c):>12}" for c in cells)
-                + f"{activations:>13}{memory.format_bytes(row.total):>12}"
+                + "".join(f"{format_bytes(c):>12}" for c in cells)
+                + f"{activations:>13}{format_bytes(row.total):>12}"
             )
     lines += [""] + [f"note: {note}" for note in result.notes]
     return "\n".join(lines)

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
 from .. import env_vars
-from ..launching.config_file import ConfigError
-from ..launching.launcher import launch
-from ..launching.options import MAX_AUTO_CPU_PROCESSES, LaunchError, LaunchOptions
-from ..launching.plugin_flags import add_plugin_flags, plugin_from_flags
+from ..env_vars import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, check_peak_flops
+from ..launching.cpu_processes import MAX_AUTO_CPU_PROCESSES
+from ..launching.errors import ConfigError, LaunchError
+from ..launching.plugin_flags import add_plugin_flags
 from ..numerics import check_numerics
-from ..observing.throughput import check_peak_flops
-from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from .launch_config_flags import add_config_flag, apply_config_file, file_note
+
+if TYPE_CHECKING:
+    from ..launching.options import LaunchOptions
 
 DESCRIPTION = """\
 Start NPROC copies of SCRIPT on this node through torch's elastic launcher (torch.distributed.run),
@@ -236,6 +238,10 @@ def _spellings(*names: str) -> list[str]:
 def options_from_args(args: argparse.Namespace) -> LaunchOptions:
     """The LaunchOptions the parsed command line asks for (aliases already folded into our names); a
     setting nothing gave (None) takes LaunchOptions' default."""
+    # The options' checks import torch (devices, plugins): loaded when a launch runs, so that the
+    # parser above, and `unison launch --help`, need none.
+    from ..launching import options
+
     given = {
         "nproc_per_node": args.nproc_per_node,
         "num_processes": args.num_processes,
@@ -255,13 +261,13 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
         "debug": args.debug,
         "parallelism": args.parallelism,
         "activation_checkpointing": args.activation_checkpointing,
-        "plugin": plugin_from_flags(args),
+        "plugin": options.plugin_from_flags(args),
         "dynamo_backend": args.dynamo_backend,
         "dynamo_mode": args.dynamo_mode,
         "peak_flops": args.peak_flops,
         "numerics": args.numerics,
     }
-    return LaunchOptions(
+    return options.LaunchOptions(
         script=args.script,
         script_args=tuple(args.script_args),
         module=args.module,
@@ -270,6 +276,9 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    # The launcher imports torch.distributed.run: loaded when a launch runs, not for `--help`.
+    from ..launching.launcher import launch
+
     sources = None
     try:
         sources = apply_config_file(args)

@@ -7,12 +7,23 @@ import argparse
 import dataclasses
 import json
 import sys
+from typing import TYPE_CHECKING
 
-from ..planning import measure as plan_measure
-from ..planning import memory, planner
-from ..planning.cost_model import DEFAULT_EFFICIENCY, DEVICES, DeviceSpec, StepCost
-from ..planning.hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware, parse_memory
-from ..planning.speed import parse_device_spec
+from ..planning.devices import (
+    DEFAULT_EFFICIENCY,
+    DEVICES,
+    LINKS_BETWEEN_NODES,
+    LINKS_WITHIN_NODE,
+    DeviceSpec,
+    parse_device_spec,
+    parse_memory,
+)
+from ..planning.memory_terms import PRECISIONS, format_bytes
+
+if TYPE_CHECKING:
+    from ..planning.cost_model import StepCost
+    from ..planning.layout_memory import PlanMemory
+    from ..planning.planner import Plan
 
 DESCRIPTION = """\
 Build TARGET on the meta device (no memory is allocated) and pick the parallel layout for --devices N
@@ -87,7 +98,7 @@ def register(subcommands: argparse._SubParsersAction) -> None:
     parser.add_argument("--seq-len", type=_positive, metavar="S", help="tokens per sequence")
     parser.add_argument(
         "--precision",
-        choices=[p.name for p in memory.PRECISIONS],
+        choices=[p.name for p in PRECISIONS],
         default="fp32",
         help="training precision: bf16-mixed is mixed_precision='bf16' (autocast over fp32 weights), bf16 a "
         "model cast to bfloat16 (default fp32)",
@@ -197,9 +208,16 @@ def _link(links: dict[str, bool], flag: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    # The planner builds the model on meta and may launch measurements: it imports torch, loaded when
+    # the command runs, so that `unison plan --help` needs none.
+    from ..planning import measure as plan_measure
+    from ..planning import memory, planner
+
     try:
         device_memory = args.device_memory or (args.device.memory if args.device else parse_memory("80GB"))
-        hardware = Hardware(args.devices, device_memory, args.nodes, args.interconnect, args.inter_node)
+        hardware = planner.Hardware(
+            args.devices, device_memory, args.nodes, args.interconnect, args.inter_node
+        )
         workload = planner.Workload(
             args.precision,
             args.micro_batch_size,
@@ -239,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def format_plan(target: str, plan: planner.Plan) -> str:
+def format_plan(target: str, plan: Plan) -> str:
     """The human-readable plan: layout, config fields, memory per device, reasons, runners-up."""
     workload = plan.workload
     batch = (
@@ -316,11 +334,11 @@ def _memory_header() -> str:
     )
 
 
-def _memory_row(label: str, need: planner.PlanMemory) -> str:
-    activations = "-" if need.activations is None else memory.format_bytes(need.activations)
-    cells = [memory.format_bytes(c) for c in (need.parameters, need.gradients, need.optimizer)]
+def _memory_row(label: str, need: PlanMemory) -> str:
+    activations = "-" if need.activations is None else format_bytes(need.activations)
+    cells = [format_bytes(c) for c in (need.parameters, need.gradients, need.optimizer)]
     return (
         f"  {label:<56}"
         + "".join(f"{c:>12}" for c in cells)
-        + f"{activations:>12}{memory.format_bytes(need.total):>12}{need.fraction:>12.0%}"
+        + f"{activations:>12}{format_bytes(need.total):>12}{need.fraction:>12.0%}"
     )

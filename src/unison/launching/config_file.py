@@ -26,7 +26,6 @@ from pathlib import Path
 from typing import Any
 
 from .. import env_vars
-from ..state import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS
 from .accelerate_config import read_accelerate_yaml
 from .errors import ConfigError
 from .plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
@@ -74,8 +73,8 @@ SETTINGS: dict[str, Setting] = {
             "timeout",
             (float, int),
             env_vars.TIMEOUT,
-            f"{DEFAULT_FIRST_STEP_TIMEOUT_SECONDS:g} s to the first step, "
-            f"{DEFAULT_TIMEOUT_SECONDS:g} s after",
+            f"{env_vars.DEFAULT_FIRST_STEP_TIMEOUT_SECONDS:g} s to the first step, "
+            f"{env_vars.DEFAULT_TIMEOUT_SECONDS:g} s after",
         ),
         Setting("debug", (bool,), env_vars.DEBUG, False),
         Setting("parallelism", (str,), env_vars.PARALLELISM, "ddp", group="layout"),

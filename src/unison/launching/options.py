@@ -7,30 +7,24 @@ running part (torch.distributed.run, the workers' environment, the rendezvous) i
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from .. import env_vars
-from ..observing.throughput import check_peak_flops
+from ..env_vars import check_peak_flops, validate_mixed_precision
 from ..parallel.checkpointing_modes import normalize_mode
 from ..parallel.config import ParallelismConfig, auto_options, is_auto
-from ..plugins import layout_of, read_plugin
-from ..state import validate_mixed_precision
+from ..plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, layout_of, plugin_to_env, read_plugin
+from .cpu_processes import MAX_AUTO_CPU_PROCESSES, usable_cpu_count
 from .errors import LaunchError
-
-MAX_AUTO_CPU_PROCESSES = 4
-"""`--nproc-per-node auto` without GPUs: one process per usable core, at most this many.
-
-Data parallelism inside one CPU box pays only while each process has cores for its own math; the
-gloo all-reduce through loopback grows with the number of processes and soon dominates a step (see
-the engine notes: communication already dominates at two processes). A few processes, each with its
-share of the cores as OpenMP threads, is the sensible default; ask for more by number.
-"""
+from .plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
 
 
 @dataclass(frozen=True)
@@ -63,13 +57,6 @@ class LaunchOptions:
     dynamo_mode: str | None = None
     peak_flops: float | None = None  # --peak-flops: one device's FLOP/s for MFU (env_vars.PEAK_FLOPS)
     numerics: str | None = None  # --numerics: unison or accelerate (env_vars.NUMERICS, numerics.py)
-
-
-def usable_cpu_count() -> int:
-    """CPU cores this process may run on (honours taskset / cgroup cpusets where the OS tells)."""
-    if hasattr(os, "sched_getaffinity"):
-        return max(len(os.sched_getaffinity(0)), 1)
-    return os.cpu_count() or 1
 
 
 def auto_nproc_per_node(cpu: bool) -> int:
@@ -299,3 +286,45 @@ def _validate_static_multi_node(options: LaunchOptions, max_nodes: int, min_node
             f"--node-rank {options.node_rank} is not in [0, {max_nodes}): with --master-addr every node "
             "needs its own --node-rank (0 on the master node, 1, 2, ... on the others)."
         )
+
+
+def plugin_from_flags(args: argparse.Namespace) -> str | None:
+    """The UNISON_PLUGIN JSON the flags ask for, or None. Raises LaunchError naming a wrong flag."""
+    chosen = [name for name in ("use_fsdp", "use_deepspeed") if getattr(args, name)]
+    if len(chosen) == 2:
+        raise LaunchError("--use_fsdp and --use_deepspeed name two layouts: pass one of them.")
+    for use, flags in (("use_fsdp", FSDP_FLAGS), ("use_deepspeed", DEEPSPEED_FLAGS)):
+        stray = [f"--{flag}" for flag in flags if getattr(args, flag) is not None and use not in chosen]
+        if stray:
+            raise LaunchError(f"{', '.join(stray)} without --{use}: add --{use}, or drop them.")
+    if not chosen:
+        return None
+    if args.parallelism is not None:
+        raise LaunchError(
+            f"--parallelism {args.parallelism} and --{chosen[0]} both name the layout: pass one of them."
+        )
+    if chosen == ["use_fsdp"]:
+        plugin: Any = FullyShardedDataParallelPlugin(**_fields(args, FSDP_FLAGS))
+    else:
+        fields = _fields(args, DEEPSPEED_FLAGS)
+        if args.gradient_accumulation_steps is not None:  # Accelerate hands it to the DeepSpeed plugin too
+            fields["gradient_accumulation_steps"] = args.gradient_accumulation_steps
+        plugin = DeepSpeedPlugin(**fields)
+    return plugin_to_env(plugin)
+
+
+def _fields(args: argparse.Namespace, flags: dict[str, tuple[str, Any]]) -> dict[str, Any]:
+    fields = {}
+    for flag, (field, kind) in flags.items():
+        value = getattr(args, flag)
+        if value is not None:
+            fields[field] = _boolean(flag, value) if kind == "bool" else value
+    return fields
+
+
+def _boolean(flag: str, value: str) -> bool:
+    if value.lower() in ("true", "1", "yes"):
+        return True
+    if value.lower() in ("false", "0", "no"):
+        return False
+    raise LaunchError(f"--{flag} {value!r} is not true or false: pass --{flag} true or --{flag} false.")

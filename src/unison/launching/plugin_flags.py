@@ -5,15 +5,15 @@ FULL_SHARD train.py`. The same flags after `unison launch` build the FullySharde
 DeepSpeedPlugin) those flags would build, which the launcher checks against the process count before any
 worker starts and exports as JSON (env_vars.PLUGIN) for `Accelerator()` to read (unison.plugins).
 Flags of a plugin that was not chosen, and flags of options unison cannot carry out, are errors.
+
+This module holds the flags' tables and their argparse spellings and imports no torch, so `unison
+launch --help` and the config-file readers need none; the plugin the flags ask for is built by
+`unison.launching.options.plugin_from_flags` when a launch runs.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any
-
-from ..plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, plugin_to_env
-from .errors import LaunchError
 
 # flag -> (plugin field, value type); "bool" takes Accelerate's true/false strings
 FSDP_FLAGS = {
@@ -66,45 +66,3 @@ def add_plugin_flags(parser: argparse.ArgumentParser) -> None:
                 metavar="true|false" if kind == "bool" else "VALUE",
                 help=f"{plugin}({field}=...)",
             )
-
-
-def plugin_from_flags(args: argparse.Namespace) -> str | None:
-    """The UNISON_PLUGIN JSON the flags ask for, or None. Raises LaunchError naming a wrong flag."""
-    chosen = [name for name in ("use_fsdp", "use_deepspeed") if getattr(args, name)]
-    if len(chosen) == 2:
-        raise LaunchError("--use_fsdp and --use_deepspeed name two layouts: pass one of them.")
-    for use, flags in (("use_fsdp", FSDP_FLAGS), ("use_deepspeed", DEEPSPEED_FLAGS)):
-        stray = [f"--{flag}" for flag in flags if getattr(args, flag) is not None and use not in chosen]
-        if stray:
-            raise LaunchError(f"{', '.join(stray)} without --{use}: add --{use}, or drop them.")
-    if not chosen:
-        return None
-    if args.parallelism is not None:
-        raise LaunchError(
-            f"--parallelism {args.parallelism} and --{chosen[0]} both name the layout: pass one of them."
-        )
-    if chosen == ["use_fsdp"]:
-        plugin: Any = FullyShardedDataParallelPlugin(**_fields(args, FSDP_FLAGS))
-    else:
-        fields = _fields(args, DEEPSPEED_FLAGS)
-        if args.gradient_accumulation_steps is not None:  # Accelerate hands it to the DeepSpeed plugin too
-            fields["gradient_accumulation_steps"] = args.gradient_accumulation_steps
-        plugin = DeepSpeedPlugin(**fields)
-    return plugin_to_env(plugin)
-
-
-def _fields(args: argparse.Namespace, flags: dict[str, tuple[str, Any]]) -> dict[str, Any]:
-    fields = {}
-    for flag, (field, kind) in flags.items():
-        value = getattr(args, flag)
-        if value is not None:
-            fields[field] = _boolean(flag, value) if kind == "bool" else value
-    return fields
-
-
-def _boolean(flag: str, value: str) -> bool:
-    if value.lower() in ("true", "1", "yes"):
-        return True
-    if value.lower() in ("false", "0", "no"):
-        return False
-    raise LaunchError(f"--{flag} {value!r} is not true or false: pass --{flag} true or --{flag} false.")

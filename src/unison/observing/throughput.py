@@ -11,7 +11,6 @@ data sheets), or one given by the user (`peak_flops(device, override=...)`, or U
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import time
 from collections.abc import Iterator
@@ -19,6 +18,7 @@ from collections.abc import Iterator
 import torch
 
 from .. import env_vars
+from ..env_vars import check_peak_flops as check_peak_flops
 
 PEAK_BF16_FLOPS = {
     "B200": 2250e12,
@@ -31,20 +31,6 @@ PEAK_BF16_FLOPS = {
 }
 """Dense bf16 FLOP/s per device, by a name torch.cuda.get_device_name contains; the first match wins,
 so a more specific name comes before the family's."""
-
-
-def check_peak_flops(value: float | str, name: str = "peak_flops") -> float:
-    """`value` as a float if it is a finite number of FLOP/s above 0, else a ValueError naming the fix."""
-    try:
-        peak = float(value)
-    except (TypeError, ValueError):
-        peak = math.nan
-    if not (math.isfinite(peak) and peak > 0):
-        raise ValueError(
-            f"{name}={value!r} is not a positive number of FLOP/s: give one device's peak, e.g. 1e12 for "
-            "1 TFLOP/s (an H100's dense bf16 peak is 989e12)."
-        )
-    return peak
 
 
 def peak_flops(device: torch.device, override: float | str | None = None) -> float | None:

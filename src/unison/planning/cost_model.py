@@ -44,17 +44,17 @@ ranks span more than one node.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from ..parallel.config import ParallelismConfig
 from . import stages as plan_stages
+from .devices import DEFAULT_EFFICIENCY as DEFAULT_EFFICIENCY
+from .devices import DEVICES as DEVICES
+from .devices import DeviceSpec
 from .memory import ModelShape
 
-DEFAULT_EFFICIENCY = 0.6
-"""Share of the dense bf16 peak a wide model's step reaches when nothing waits (module docstring)."""
 HIDDEN_HALF_EFFICIENCY = 640
 """The hidden size at which a step reaches half of `efficiency`: per token, the matrix multiplications
 cost O(h²) FLOPs but norms, activations, softmax and residual adds move O(h) bytes at memory speed, so
@@ -86,48 +86,6 @@ KERNEL_SECONDS = 5e-6
 """What one kernel launch costs a micro-step whatever its size: the launch and the gap before the next
 kernel starts (a few microseconds in eager PyTorch; an assumption from CUDA's launch latency, not a
 measurement: it decides only between micro-batches of a model whose kernels are that short)."""
-
-
-@dataclass(frozen=True)
-class DeviceSpec:
-    """One accelerator and its links, from the vendors' data sheets.
-
-    peak_flops: dense bf16 FLOP/s. memory: bytes. intra_node_bandwidth: bytes/s one way from a device to
-    the rest of its node (NVLink, Infinity Fabric, or PCIe). inter_node_bandwidth: bytes/s one way of a
-    device's share of its node's network (one NIC per device on the systems below). Latencies: seconds
-    per hop of a collective.
-    """
-
-    name: str
-    peak_flops: float
-    memory: int
-    intra_node_bandwidth: float
-    inter_node_bandwidth: float
-    intra_node_latency: float = 5e-6
-    inter_node_latency: float = 10e-6
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if field.name != "name" and not (isinstance(value, (int, float)) and value > 0):
-                raise ValueError(
-                    f"{field.name}={value!r} for device {self.name!r} is not a positive number: give it in "
-                    "FLOP/s, bytes, bytes/s or seconds (e.g. peak_flops=989e12)."
-                )
-
-
-GB = 10**9
-GIB = 2**30
-DEVICES = {
-    "a100-40gb": DeviceSpec("A100 SXM 40GB", 312e12, 40 * GIB, 300 * GB, 25 * GB),
-    "a100-80gb": DeviceSpec("A100 SXM 80GB", 312e12, 80 * GIB, 300 * GB, 25 * GB),
-    "h100": DeviceSpec("H100 SXM 80GB", 989e12, 80 * GIB, 450 * GB, 50 * GB),
-    "h200": DeviceSpec("H200 SXM 141GB", 989e12, 141 * GB, 450 * GB, 50 * GB),
-    "b200": DeviceSpec("B200 180GB", 2250e12, 180 * GB, 900 * GB, 50 * GB),
-    "mi300x": DeviceSpec("MI300X 192GB", 1307e12, 192 * GB, 448 * GB, 50 * GB),
-}
-"""Data-sheet figures. Networks: HDR InfiniBand (200 Gb/s per GPU) with A100 as in NVIDIA's Selene and
-DGX A100; NDR (400 Gb/s per GPU) with the others, as in DGX H100/H200/B200 and MI300X platforms."""
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,6 @@
 """What the job runs on: a description of the devices, their memory and links (`Hardware`), read from
-the running job (`detect_hardware`) or given by hand (`parse_memory` for sizes such as "80GB").
+the running job (`detect_hardware`) or given by hand (`parse_memory`, from unison.planning.devices,
+for sizes such as "80GB").
 
 The planner (unison.planning.planner) prices layouts against this description. Its facts are the same on every
 rank of equal nodes, except that the link probe (nvidia-smi) can fail on one rank and answer PCIe there:
@@ -16,28 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from . import memory
-
-LINKS_WITHIN_NODE = {"nvlink": True, "pcie": False}
-"""Links between the devices of one node, and whether the guide counts them as fast."""
-LINKS_BETWEEN_NODES = {"nvlink": True, "infiniband": True, "ethernet": False}
-"""Links between nodes (nvlink: NVLink-switch systems), and whether they count as fast."""
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?(?:e\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
-_UNIT = {"": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40}
-
-
-def parse_memory(text: str) -> int:
-    """'80GB', '40GiB', '24G', '512MB' or plain bytes -> bytes, in binary units as memory is sold (JEDEC)."""
-    match = _SIZE.match(str(text))
-    if match is None or (match.group(3).lower() == "i" or (match.group(3) and not match.group(2))):
-        raise ValueError(
-            f"device memory {text!r} is not a size: write a number with an optional unit, e.g. 80GB, 40GiB, "
-            "24G, 512MB or 85899345920 (bytes). Units are binary, as GPU memory is quoted: 1GB = 2^30 bytes."
-        )
-    value = int(float(match.group(1)) * _UNIT[match.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"device memory {text!r} is not positive: give the memory of one device, e.g. 80GB.")
-    return value
+from .devices import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE
+from .devices import parse_memory as parse_memory  # planner.py and tests import it from here
 
 
 @dataclass(frozen=True)

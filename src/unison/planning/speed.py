@@ -70,41 +70,6 @@ def device_key(device: torch.device) -> str | None:
     return next((key for key in ("h200", "h100", "b200", "mi300x") if key.upper() in name), None)
 
 
-def parse_device_spec(text: str) -> DeviceSpec:
-    """'NAME:peak=989e12,memory=80GB,nvlink=450e9,network=50e9' -> a DeviceSpec for a device the table
-    lacks; a NAME in the table may be given with only the fields that differ."""
-    from .hardware import parse_memory
-
-    name, _, fields = text.partition(":")
-    known = DEVICES.get(name.strip().lower())
-    values: dict[str, float | int] = {}
-    aliases = {
-        "peak": "peak_flops",
-        "memory": "memory",
-        "nvlink": "intra_node_bandwidth",
-        "network": "inter_node_bandwidth",
-    }
-    for item in filter(None, (part.strip() for part in fields.split(","))):
-        key, _, value = item.partition("=")
-        if key not in aliases:
-            raise ValueError(f"device field {key!r} in {text!r} is unknown: use {', '.join(aliases)}.")
-        try:
-            values[aliases[key]] = parse_memory(value) if key == "memory" else float(value)
-        except ValueError:
-            raise ValueError(
-                f"device field {key}={value!r} in {text!r} is not a number (e.g. 989e12)."
-            ) from None
-    if known is not None:
-        return dataclasses.replace(known, **values)
-    missing = [alias for alias, field in aliases.items() if field not in values]
-    if missing:
-        raise ValueError(
-            f"device {name!r} is not in the table ({', '.join(DEVICES)}), so {text!r} must give "
-            f"{', '.join(missing)} too, e.g. {name}:peak=989e12,memory=80GB,nvlink=450e9,network=50e9."
-        )
-    return DeviceSpec(name, **values)  # type: ignore[arg-type]
-
-
 def micro_batch_sizes(workload: Workload) -> list[int]:
     """The micro-batch sizes to try: every divisor of the global batch up to LARGEST_MICRO_BATCH, so
     a batch of 480 over 8 ranks can run nanoGPT's 12 x 5 (powers of two alone would stop at 4 x 15)."""
