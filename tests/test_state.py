@@ -265,3 +265,13 @@ def test_destroy_process_group_works_after_the_state_was_reset(fresh_state):
     finally:
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+
+
+def test_the_state_describes_itself_as_accelerates_does(fresh_state):
+    """transformers' *_no_trainer scripts log `accelerator.state`: Accelerate's lines, not an address."""
+    accelerator = Accelerator(cpu=True)
+    text = str(accelerator.state)
+    assert text == repr(PartialState()) + "\nMixed precision type: no\n"
+    assert "Num processes: 1\nProcess index: 0\n" in text and "Device: cpu" in text
+    AcceleratorState._reset_state()
+    assert "empty" in repr(accelerator.state)

@@ -512,6 +512,13 @@ class AcceleratorState:
         self.megatron_lm_plugin: Any = None
         self.initialized = True
 
+    def __repr__(self) -> str:
+        """PartialState's lines and the precision, as Accelerate's state reads in a script's log
+        (transformers' *_no_trainer scripts log it first thing)."""
+        if "partial" not in self.__dict__:
+            return "AcceleratorState (empty: no Accelerator since the last reset)"
+        return f"{self.partial!r}\nMixed precision type: {self.mixed_precision}\n"
+
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__"):
             raise AttributeError(name)
