@@ -275,3 +275,13 @@ def test_the_state_describes_itself_as_accelerates_does(fresh_state):
     assert "Num processes: 1\nProcess index: 0\n" in text and "Device: cpu" in text
     AcceleratorState._reset_state()
     assert "empty" in repr(accelerator.state)
+
+
+def test_destroy_process_group_ends_the_gloo_group_while_the_interpreter_is_whole(tmp_path):
+    """A gloo group that outlives the script aborts it at random (docs/failures.md): once nothing of the
+    script holds the group, destroy_process_group must have ended gloo's worker threads."""
+    launch_ok("tests/workers/group_release_worker.py", 2, tmp_path)
+    for rank in range(2):
+        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert record["before"] > 0, record  # the thread name this test counts is still torch's
+        assert record["after"] == 0, record

@@ -168,6 +168,23 @@ def _end_with_the_launcher() -> None:
         os._exit(1)
 
 
+def _import_group_defaults_before_the_group() -> None:
+    """Import torch.distributed.nn.functional while no process group exists (12 ms here).
+
+    Its functions take `group=group.WORLD` as default arguments, evaluated at import. torch imports it
+    lazily (with torch.distributed.checkpoint, and with torch._inductor, which the profiler and
+    torch.compile import; the DDP step of tests/workers/group_release_worker.py does too); imported after
+    the group formed, those
+    defaults hold the group object until the interpreter ends, so destroy_process_group (the script's or
+    ours at exit) no longer frees it and gloo's worker threads outlive the script. One of them can then
+    release a finished collective's tensors after the interpreter began its teardown: it needs the GIL
+    there, CPython ends the thread with pthread_exit, and the unwinding aborts the process ("terminate
+    called without an active exception", SIGABRT, after all the work is done; docs/failures.md).
+    Imported first, the defaults are None: the default group at call time, as torch means them.
+    """
+    import torch.distributed.nn.functional  # noqa: F401
+
+
 def _destroy_process_group() -> None:
     """At exit, while the interpreter is whole: free what still holds communication state, then the groups.
 
@@ -251,6 +268,7 @@ class PartialState:
             kwargs["device_id"] = self.device
         if self.debug:
             dist.set_debug_level(dist.DebugLevel.DETAIL)  # torch checks every collective across ranks
+        _import_group_defaults_before_the_group()
         os.environ.update(_socket_interface(layout))
         first_step = (
             self.timeout if self._timeout_requested else timedelta(seconds=DEFAULT_FIRST_STEP_TIMEOUT_SECONDS)
