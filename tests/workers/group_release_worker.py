@@ -9,10 +9,10 @@ its teardown, and the process aborts ("terminate called without an active except
 
 Usage: group_release_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json: "before" and "after", the
 number of gloo worker threads ("pt_gloo_runloop", as torch names them) before destroy_process_group and
-once nothing of the script refers to the group any more.
+at exit, after unison's exit handler (this one is registered first, so it runs last).
 """
 
-import gc
+import atexit
 import json
 import os
 import sys
@@ -44,8 +44,11 @@ def main() -> int:
     return before
 
 
-if __name__ == "__main__":
-    threads_before = main()
-    gc.collect()
+def write_record() -> None:
     record = {"before": threads_before, "after": gloo_threads()}
     (Path(sys.argv[1]) / f"rank{os.environ['RANK']}.json").write_text(json.dumps(record))
+
+
+if __name__ == "__main__":
+    atexit.register(write_record)
+    threads_before = main()
