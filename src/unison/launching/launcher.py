@@ -36,8 +36,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from .. import env_vars, network
+from ..env_vars import validate_mixed_precision
 from ..parallel.config import ParallelismConfig, is_auto
-from ..state import validate_mixed_precision
 from . import rendezvous
 from .options import LaunchError, LaunchOptions, compile_variables, parse_nnodes, usable_cpu_count, validate
 from .report import quiet_agent_shutdown, report_failure

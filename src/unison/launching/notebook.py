@@ -24,7 +24,8 @@ from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-from ..state import AcceleratorState, PartialState, validate_mixed_precision
+from ..env_vars import validate_mixed_precision
+from ..state import AcceleratorState, PartialState
 from .launcher import RANK_PREFIX_TEMPLATE, exported, free_loopback_port, join_endpoint, worker_environment
 from .options import resolve_nproc_per_node
 from .rendezvous import ONE_NODE_BACKEND
