@@ -82,11 +82,49 @@ def kill_at(nproc: int, project: Path, out: Path, accum: int, marker: str, delay
     assert not out.exists(), "the run finished before the kill: the test proved nothing"
 
 
-@pytest.mark.parametrize("nproc, accum", [(1, 4), (2, 2)], ids=["1proc", "2proc"])
-def test_sigkilled_run_resumes_bit_identical(tmp_path, nproc, accum):
-    reference = tmp_path / "reference.pt"
-    train(nproc, tmp_path / "reference", reference, accum, "--ballast-mb", "64")
+RESIZE_WORKER = WORKERS / "resize_window_worker.py"
+SAVES = [f"result/ckpt_{step}" for step in (3, 6, 9)]  # resize_window_worker's saves on 2 processes
+SGD = ("--optimizer", "sgd", "--dropout", "0")
 
+
+def resume_run(project: Path, out: Path, accum: int, *extra: str) -> list[str]:
+    """resize_window_worker's arguments for one resume_worker run in its launch."""
+    return ["--", "--project", str(project), "--out", str(out), "--accum", str(accum), *extra]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> Path:
+    """Every run of this file that is not killed, in three launches, on 2, 1 and 4 processes: the
+    resize_window_worker runs (under resize/on<n>) and, in the same launches, the resume_worker runs
+    (under resume/): the uninterrupted runs the SIGKILLed ones end against (killed<n>.pt), and the
+    SGD run on 2 x 2 (reference.pt), its save at step 2 (saved/), and that save resumed on 1 x 4 and 4 x 1
+    (resumed<n>.pt)."""
+    root = tmp_path_factory.mktemp("launched")
+    resize, resume = root / "resize", root / "resume"
+
+    saves = ",".join(str(resize / "on2" / save) for save in SAVES)
+    launch_ok(
+        RESIZE_WORKER, 2, resize / "on2", 2, f"-,{saves}",
+        *resume_run(resume / "reference", resume / "reference.pt", 2, *SGD),
+        *resume_run(resume / "saved", resume / "unused.pt", 2, *SGD, "--stop-after", "3"),
+        *resume_run(resume / "killed2_reference", resume / "killed2.pt", 2, "--ballast-mb", "64"),
+    )  # fmt: skip
+    for nproc in (1, 4):
+        shutil.copytree(resume / "saved", resume / f"resumed{nproc}")
+    launch_ok(
+        RESIZE_WORKER, 1, resize / "on1", 4, f"-,{saves},{resize / 'on2' / SAVES[0]}:5",
+        *resume_run(resume / "resumed1", resume / "resumed1.pt", 4, *SGD),
+        *resume_run(resume / "killed1_reference", resume / "killed1.pt", 4, "--ballast-mb", "64"),
+    )  # fmt: skip
+    launch_ok(
+        RESIZE_WORKER, 4, resize / "on4", 1, saves,
+        *resume_run(resume / "resumed4", resume / "resumed4.pt", 1, *SGD),
+    )  # fmt: skip
+    return root
+
+
+@pytest.mark.parametrize("nproc, accum", [(1, 4), (2, 2)], ids=["1proc", "2proc"])
+def test_sigkilled_run_resumes_bit_identical(launched, tmp_path, nproc, accum):
     project, out = tmp_path / "killed", tmp_path / "killed.pt"
     # Three kills: during the save of checkpoint_4 (its temporary folder exists, the manifest does not),
     # right after checkpoint_6 is complete, and between two saves; then a run to the end.
@@ -95,26 +133,21 @@ def test_sigkilled_run_resumes_bit_identical(tmp_path, nproc, accum):
     kill_at(nproc, project, out, accum, "checkpoint_6/manifest.json")
     kill_at(nproc, project, out, accum, "checkpoint_8/manifest.json", delay=0.25)
     train(nproc, project, out, accum, "--ballast-mb", "64")
-    assert_bit_identical(params(out), params(reference))
+    assert_bit_identical(params(out), params(launched / "resume" / f"killed{nproc}.pt"))
 
 
-def test_resume_on_another_number_of_processes_follows_the_same_trajectory(tmp_path):
-    common = ("--optimizer", "sgd", "--dropout", "0")
-    reference = tmp_path / "reference.pt"
-    train(2, tmp_path / "reference", reference, 2, *common)
-
-    saved = tmp_path / "saved"
-    train(2, saved, tmp_path / "unused.pt", 2, *common, "--stop-after", "3")
-    assert (saved / "checkpoints" / "checkpoint_2").is_dir()
-    for nproc, accum in [(1, 4), (4, 1)]:
-        project = tmp_path / f"resumed{nproc}"
-        shutil.copytree(saved, project)
-        out = tmp_path / f"resumed{nproc}.pt"
-        train(nproc, project, out, accum, *common)
-        assert max_diff(params(out), params(reference)) < 1e-5, (nproc, accum)
+def test_resume_on_another_number_of_processes_follows_the_same_trajectory(launched):
+    """Saved on 2 x 2 at step 2 (the run stopped at step 3), resumed on 1 x 4 and 4 x 1: each ends within
+    1e-5 of the uninterrupted 2 x 2 run (SGD, no dropout)."""
+    resume = launched / "resume"
+    assert (resume / "saved" / "checkpoints" / "checkpoint_2").is_dir()
+    assert not (resume / "unused.pt").exists()  # the saved run stopped at step 3
+    reference = params(resume / "reference.pt")
+    for nproc in (1, 4):
+        assert max_diff(params(resume / f"resumed{nproc}.pt"), reference) < 1e-5, nproc
 
 
-def test_resume_at_every_save_point_on_1_2_and_4_processes_with_accumulation_adjusted(tmp_path):
+def test_resume_at_every_save_point_on_1_2_and_4_processes_with_accumulation_adjusted(launched):
     """2 processes x accumulation 2 (96 shuffled samples, micro-batch 4, AdamW, 3 epochs of 6 steps),
     saved every 3 optimizer steps; the saves at steps 3 (mid-epoch), 6 (an epoch boundary) and 9 (mid
     second epoch) are resumed on 1 x 4, 2 x 2 and 4 x 1 (the same global batch of 16): each takes the
@@ -122,23 +155,18 @@ def test_resume_at_every_save_point_on_1_2_and_4_processes_with_accumulation_adj
     Before the fix, the mid-epoch save resumed on 1 x 4 took 19 steps and ended 1.2e-2 away. A position
     that is no whole number of the resuming run's global batch (48 samples in steps of 5) is refused by
     load_state before anything is applied."""
-    worker = WORKERS / "resize_window_worker.py"
-    saved = tmp_path / "saved"
-    launch_ok(worker, 2, saved, 2, "-")
-    saves = [saved / f"ckpt_{step}" for step in (3, 6, 9)]
-    runs = {1: ["-", *map(str, saves), f"{saves[0]}:5"], 2: list(map(str, saves)), 4: list(map(str, saves))}
-    for nproc, accumulation in ((1, 4), (2, 2), (4, 1)):
-        launch_ok(worker, nproc, tmp_path / f"on{nproc}", accumulation, ",".join(runs[nproc]))
-    whole = json.loads((tmp_path / "on1" / "result.json").read_text())
+    resize = launched / "resize"
+    whole = json.loads((resize / "on1" / "result.json").read_text())
     assert whole["steps"] == 18
     for nproc in (1, 2, 4):
-        for save in saves:
-            resumed = json.loads((tmp_path / f"on{nproc}" / f"{save.name}.json").read_text())
-            assert resumed["steps"] == 18, (nproc, save.name, resumed["steps"])
-            for name, values in whole["params"].items():
-                diff = (torch.tensor(resumed["params"][name]) - torch.tensor(values)).abs().max().item()
-                assert diff < 1e-4, (nproc, save.name, name, diff)
-    refused = json.loads((tmp_path / "on1" / "ckpt_3_mb5.json").read_text())
+        for save in SAVES:
+            name = Path(save).name
+            resumed = json.loads((resize / f"on{nproc}" / f"{name}.json").read_text())
+            assert resumed["steps"] == 18, (nproc, name, resumed["steps"])
+            for key, values in whole["params"].items():
+                diff = (torch.tensor(resumed["params"][key]) - torch.tensor(values)).abs().max().item()
+                assert diff < 1e-4, (nproc, name, key, diff)
+    refused = json.loads((resize / "on1" / "ckpt_3_mb5.json").read_text())
     assert refused["refused"].startswith("CheckpointError: "), refused
     assert "samples_consumed=48: that is not a multiple of its total_batch_size=5" in refused["refused"]
     assert refused["untouched"], "the model was changed before the checkpoint was refused"

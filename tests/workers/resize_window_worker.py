@@ -1,12 +1,14 @@
 """Launched worker: resume on another number of processes AND another accumulation, mid-epoch or not.
 
-Usage: resize_window_worker.py OUT_DIR ACCUMULATION RUNS. Trains a linear model on 96 shuffled samples
-(micro-batch 4 per process, AdamW, 3 epochs), saving the training state every 3 optimizer steps under
-OUT_DIR/ckpt_<step>. RUNS is comma-separated, run in turn in this launch, each with a fresh Accelerator,
-model and loader: "-" trains from the start, a checkpoint directory resumes from it, and DIR:B resumes
-from it with micro-batch B. Process 0 writes OUT_DIR/<name>.json per run ("result" from the start, else
-the checkpoint's directory name, with "_mb<B>"): the optimizer steps taken and the final parameters, or,
-when load_state refused the checkpoint, its message and whether the model was left untouched.
+Usage: resize_window_worker.py OUT_DIR ACCUMULATION RUNS [-- RESUME_WORKER_ARGS ...]. Trains a linear model
+on 96 shuffled samples (micro-batch 4 per process, AdamW, 3 epochs), saving the training state every 3
+optimizer steps under OUT_DIR/<name>/ckpt_<step>. RUNS is comma-separated, run in turn in this launch, each
+with a fresh Accelerator, model and loader: "-" trains from the start, a checkpoint directory resumes from
+it, and DIR:B resumes from it with micro-batch B. Process 0 writes OUT_DIR/<name>.json per run ("result"
+from the start, else the checkpoint's directory name, with "_mb<B>"): the optimizer steps taken and the
+final parameters, or, when load_state refused the checkpoint, its message and whether the model was left
+untouched. Each group after a `--` is then one run of resume_worker.py with those arguments, in this same
+launch: the test file's other runs on this number of processes share its start-up.
 """
 
 import json
@@ -14,14 +16,13 @@ import sys
 from pathlib import Path
 
 import torch
+from resume_worker import main as resume_worker_run
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, AcceleratorState, GradientState
 
-out, accumulation, runs = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(",")
 
-
-def run(spec: str) -> dict:
+def run(out: str, accumulation: int, spec: str) -> dict:
     AcceleratorState._reset_state()  # a fresh Accelerator per run; the process group stays
     GradientState._reset_state()
     resume, _, batch = spec.partition(":")
@@ -49,7 +50,8 @@ def run(spec: str) -> dict:
                 optimizer.step()
                 optimizer.zero_grad()
             if accelerator.sync_gradients and accelerator.optimizer_steps % 3 == 0:
-                accelerator.save_state(f"{out}/ckpt_{accelerator.optimizer_steps}")
+                # under the run's own name: a resume in this launch must not overwrite the saves it reads
+                accelerator.save_state(f"{out}/{name}/ckpt_{accelerator.optimizer_steps}")
     state = accelerator.get_state_dict(model)
     return {
         "name": name,
@@ -58,8 +60,22 @@ def run(spec: str) -> dict:
     }
 
 
-for spec in runs:
-    result = run(spec)
-    if AcceleratorState().is_main_process:
-        Path(out).mkdir(parents=True, exist_ok=True)
-        Path(out, f"{result['name']}.json").write_text(json.dumps(result))
+def main() -> None:
+    out, accumulation, runs, *rest = sys.argv[1:]
+    for spec in runs.split(","):
+        result = run(out, int(accumulation), spec)
+        if AcceleratorState().is_main_process:
+            Path(out).mkdir(parents=True, exist_ok=True)
+            Path(out, f"{result['name']}.json").write_text(json.dumps(result))
+    groups: list[list[str]] = []
+    for arg in rest:
+        if arg == "--":
+            groups.append([])
+        else:
+            groups[-1].append(arg)
+    for argv in groups:
+        resume_worker_run(argv)
+
+
+if __name__ == "__main__":
+    main()

@@ -3,7 +3,8 @@
 Written the way the checkpointing guide tells users to write their loop: `load_state(missing_ok=True)`
 once after prepare, then `for epoch in range(train_dl.epoch, EPOCHS)`. Tests run it uninterrupted,
 killed and resumed, stopped and resumed on another number of processes, and compare the parameters
-it writes at the end (main process, OUT) with torch.equal or a tolerance.
+it writes at the end (main process, OUT) with torch.equal or a tolerance. `main(argv)` runs it from
+another launched worker (resize_window_worker.py), so that one launch does several runs.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Accelerator, ProjectConfiguration, set_seed
+from unison import Accelerator, AcceleratorState, GradientState, ProjectConfiguration, set_seed
 
 EPOCHS = 2
 SAMPLES = 80  # 5 optimizer steps per epoch at a global batch of 16 samples
@@ -36,7 +37,7 @@ class Ballast:
         self.data = state["data"]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     parser.add_argument("--project", required=True)
     parser.add_argument("--out", required=True)
@@ -47,11 +48,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stop-after", type=int, default=None, help="exit cleanly after this optimizer step")
     parser.add_argument("--ballast-mb", type=int, default=0, help="extra checkpointed MB (slower saves)")
     parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds per step (kill window)")
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
-def main() -> None:
-    args = parse_args()
+def main(argv: list[str] | None = None) -> None:
+    """One run, from the command line or (argv) as one of several runs in a launch."""
+    args = parse_args(argv)
+    AcceleratorState._reset_state()  # a fresh Accelerator per run; the process group stays
+    GradientState._reset_state()
     torch.set_num_threads(1)
     accelerator = Accelerator(
         gradient_accumulation_steps=args.accum,
