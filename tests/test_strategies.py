@@ -65,7 +65,7 @@ TOLERANCE = {"sgd": 1e-5, "sgd_acc2": 1e-5, "items_acc2": 1e-5, "adamw": 1e-4}
 CASES = [(world, layout) for world, layouts in LAYOUTS.items() for layout in layouts]
 
 
-# One launch per world size, each a few minutes on a loaded 2-core machine (8 processes: ~1.5 min quiet).
+# One launch per world size: 17 s (2 processes), 44 s (4) and 33 s (8) on the shared 2-core machine.
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -106,7 +106,8 @@ def test_the_learning_rate_schedule_drives_every_layout(reports, world, layout):
     (ZeRO-1 rebuilds the optimizer: it used to step at the initial rate forever)."""
     for name, run in reports[world]["layouts"][layout]["runs"].items():
         initial = 1e-2 if name == "adamw" else 0.5
-        assert run["rates"] == pytest.approx([initial * 0.8**step for step in range(5)]), (layout, name)
+        steps = range(reports[world]["steps"])
+        assert run["rates"] == pytest.approx([initial * 0.8**step for step in steps]), (layout, name)
 
 
 @pytest.mark.parametrize("world, layout", CASES)
