@@ -1,6 +1,7 @@
 """PartialState / AcceleratorState: a real gloo group under `unison launch`, and single-process rules."""
 
 import json
+import pickle
 from datetime import timedelta
 
 import numpy as np
@@ -275,6 +276,17 @@ def test_the_state_describes_itself_as_accelerates_does(fresh_state):
     assert "Num processes: 1\nProcess index: 0\n" in text and "Device: cpu" in text
     AcceleratorState._reset_state()
     assert "empty" in repr(accelerator.state)
+
+
+def test_an_accelerator_pickled_and_loaded_back_has_the_same_state(fresh_state):
+    """Accelerate's test_pickle_accelerator: a copy made by pickle (as a DataLoader worker or a
+    multiprocessing queue gets one) holds the same state. It held another PartialState object, which
+    compared by identity, so the copy's state differed from the original's."""
+    accelerator = Accelerator(cpu=True)
+    accelerator.prepare(torch.utils.data.DataLoader(list(range(32)), batch_size=4))
+    copy = pickle.loads(pickle.dumps(accelerator))
+    assert copy.state.__dict__ == accelerator.state.__dict__
+    assert PartialState() == copy.state.partial and PartialState() != object()
 
 
 def test_destroy_process_group_ends_the_gloo_group_while_the_interpreter_is_whole(tmp_path):
