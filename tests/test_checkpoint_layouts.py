@@ -42,15 +42,21 @@ LOADS = [  # (source layout, processes, target layout)
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """Three checkpoints, written by 2 processes in one launch: under ZeRO-3, as a 2-stage pipeline and
-    under tensor parallel 2; then every load of LOADS, one launch per number of processes."""
+    under tensor parallel 2; then every load of LOADS, one launch per number of processes, the loads on
+    2 processes in the saving launch (3 launches)."""
     directories = {
         layout: tmp_path_factory.mktemp(layout.replace("=", ""))
         for layout in ("zero3", "pp_size=2", "tp_size=2")
     }
-    launch_ok(WORKER, 2, "save", *[arg for layout, path in directories.items() for arg in (layout, path)])
-    for nproc in sorted({nproc for _, nproc, _ in LOADS}):
+
+    def loads(nproc: int) -> list:
         pairs = [(target, directories[source]) for source, n, target in LOADS if n == nproc]
-        launch_ok(WORKER, nproc, "load", *[arg for pair in pairs for arg in pair])
+        return ["load", *[arg for pair in pairs for arg in pair]]
+
+    saves = [arg for layout, path in directories.items() for arg in (layout, path)]
+    launch_ok(WORKER, 2, "save", *saves, *loads(2))
+    for nproc in sorted({nproc for _, nproc, _ in LOADS} - {2}):
+        launch_ok(WORKER, nproc, *loads(nproc))
     return directories
 
 

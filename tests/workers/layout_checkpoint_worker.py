@@ -1,6 +1,6 @@
 """Launched worker: save_state under one layout, load_state under another, through the Accelerator.
 
-    layout_checkpoint_worker.py save LAYOUT DIR [LAYOUT DIR ...]
+    layout_checkpoint_worker.py save LAYOUT DIR [LAYOUT DIR ...] [load LAYOUT DIR ...]
         for each pair: train 2 steps under LAYOUT, save_state(DIR/checkpoint), save_model(DIR/weights),
         train 1 more step; the main process writes the consolidated weights after each to
         DIR/at_save.pt and DIR/after_step.pt
@@ -9,6 +9,7 @@
         writes DIR/restored_<N>_<LAYOUT>.pt and DIR/loaded_<N>_<LAYOUT>.pt (N: the number of processes)
 
 Several pairs share one launch (a launch costs seconds of start-up): each gets its own Accelerator.
+`save ... load ...` in one command line saves, then loads on the same processes.
 The tiny GPT (examples/gpt/model.py) trains with SGD+momentum (its momentum buffers must survive the
 move between layouts) on fixed batches of 8 sequences, the same global batch in every layout.
 """
@@ -70,9 +71,15 @@ def run(mode: str, layout: str, directory: Path) -> None:
 
 
 def main() -> None:
-    mode, pairs = sys.argv[1], sys.argv[2:]
-    for layout, directory in zip(pairs[::2], pairs[1::2], strict=True):
-        run(mode, layout, Path(directory))
+    groups: list[list[str]] = []
+    for arg in sys.argv[1:]:
+        if arg in ("save", "load"):
+            groups.append([arg])
+        else:
+            groups[-1].append(arg)
+    for mode, *pairs in groups:
+        for layout, directory in zip(pairs[::2], pairs[1::2], strict=True):
+            run(mode, layout, Path(directory))
 
 
 if __name__ == "__main__":
