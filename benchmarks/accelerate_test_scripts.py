@@ -397,13 +397,14 @@ def main() -> None:
                 ):
                     row[column] = run_cases(lib, copies[lib], nproc, numerics, args.timeout, log)
                     log.flush()
-                passed_acc = {c["name"] for c in row["accelerate"]["cases"] if c["passed"]}
+                # by index: a script may call one check several times (the same name, another case)
+                passed_acc = {c["index"] for c in row["accelerate"]["cases"] if c["passed"]}
                 row["counts"] = {
                     "cases": len(row["accelerate"]["cases"]),
                     "accelerate": len(passed_acc),
                     **{
                         column: sum(
-                            1 for c in row[column]["cases"] if c["passed"] and c["name"] in passed_acc
+                            1 for c in row[column]["cases"] if c["passed"] and c["index"] in passed_acc
                         )
                         for column in ("unison", "unison_numerics_accelerate")
                     },
