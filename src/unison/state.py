@@ -462,7 +462,8 @@ def _release_dtensor_caches() -> None:
 
     A DeviceMesh keeps its process groups (by name, in a registry of its own), and DTensor caches the
     meshes of every op it propagated (FSDP2's `fully_shard` runs such ops: a ZeRO-3 `prepare()` is
-    enough) in a thread-local cache and in a C++ one, neither reachable from any module, so
+    enough) in a thread-local cache and in a C++ one, neither reachable from any module, and those of
+    every redistribution in three module-level ones, so
     destroy_process_group leaves the gloo group, and its threads, alive into the interpreter's teardown
     (docs/failures.md, "Known limits"). No public API clears them; the private ones are pinned in
     tests/test_torch_private_apis.py. A torch that lacks them keeps the caches: nothing else changes.
@@ -471,11 +472,13 @@ def _release_dtensor_caches() -> None:
         return
     with contextlib.suppress(ImportError, AttributeError):
         from torch.distributed.tensor import _redistribute
+        from torch.distributed.tensor._collective_utils import MeshTopoInfo
         from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
         _clear_sharding_prop_cache()
         _redistribute.clear_redistribute_planner_cache()
         _redistribute._gen_transform_infos.cache_clear()
+        MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 class GradientState:

@@ -11,6 +11,11 @@
 The FSDP2 stages replace the module's parameters by DTensor shards in place, so an optimizer must be
 built from `model.parameters()` after `apply_zero`. ZeroRedundancyOptimizer has to be built from the
 parameters too; `shard_optimizer_state` rebuilds one from an existing, not yet stepped optimizer.
+
+ZeroRedundancyOptimizer's module is imported only where ZeRO-1 is used: importing it binds
+`group=dist.group.WORLD` into a default argument, which then holds a group formed earlier past
+destroy_process_group, and a gloo group alive at the interpreter's teardown can abort the process
+(docs/failures.md, "Known limits").
 """
 
 from __future__ import annotations
@@ -18,19 +23,21 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.blocks import find_blocks
 from unison.parallel.comm_hooks import register_comm_hook, split_hook_options
 from unison.parallel.precision_units import shard_as_autocast
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 logger = logging.getLogger("unison")
 
@@ -163,6 +170,8 @@ def shard_optimizer_state(
     group's lr through the user's optimizer still drive the training.
     The overlap-with-DDP mode is not used: its comm hook refuses gloo.
     """
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
     if isinstance(optimizer, ZeroRedundancyOptimizer):
         return optimizer
     if any(optimizer.state.values()):
