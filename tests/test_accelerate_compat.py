@@ -24,11 +24,12 @@ from unison.state import DistributedType
 TORCH_ABORT = "terminate called without an active exception"
 """What a rank prints when torch's C++ side calls std::terminate: seen in 2 of about 6 clean-clone runs of
 the suite, in this worker only, and in 2 of 53 launches of it alone on a loaded machine. The cause is known
-(docs/failures.md, known limits): this worker's gloo group outlives destroy_process_group, held by
-torch (ZeroRedundancyOptimizer's default argument, DTensor's redistribution planner cache, and in a
-ZeRO-3 run something not reachable from Python's modules), and a gloo thread that frees a finished
-collective's tensors after the interpreter began its teardown aborts the process. The retry stays until
-nothing holds the group at exit (tests/test_state.py checks that for a DDP run)."""
+(docs/failures.md, known limits): a gloo group alive at the interpreter's teardown, where a gloo thread that
+frees a finished collective's tensors aborts the process. This worker's group was held by torch
+(ZeroRedundancyOptimizer's default argument, DTensor's caches of DeviceMeshes); unison now releases both,
+and the worker ends with no gloo thread left (tests/test_state.py checks it for DDP and ZeRO-3). The retry
+stays until enough launches show the abort gone: at a 2-in-53 rate, a few dozen clean launches prove
+little."""
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2proc", "3proc"])
