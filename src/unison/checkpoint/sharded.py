@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import pickle
+import sys
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,7 +49,6 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from ..parallel.ddp import unwrap
@@ -59,6 +59,14 @@ DCP_METADATA = ".metadata"
 
 _FLAT_OPTIMIZER = StateDictOptions(flatten_optimizer_state_dict=True)
 _OPTIMIZER_STATE_PREFIX = "state."
+
+
+def _is_zero1(optimizer: object) -> bool:
+    """Whether `optimizer` is ZeRO-1's ZeroRedundancyOptimizer, without importing its module: imported
+    after the group formed, it binds that group into a default argument and holds it past
+    destroy_process_group (docs/failures.md, "Known limits"). None exists unless it was imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 # -- which layout is sharded -----------------------------------------------------------------------
@@ -93,7 +101,7 @@ def _local_optimizer(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
     reached the inner one yet: they are copied here, as the next step would, before it is read.
     """
     optimizer = _torch_optimizer(optimizer)
-    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if not _is_zero1(optimizer):
         return optimizer
     _copy_hyper_parameters(optimizer.param_groups, optimizer.optim.param_groups)
     return optimizer.optim
@@ -135,7 +143,7 @@ def model_layouts(
     for model, indices in zip(models, owned):
         module = unwrap(model)
         tensors = [*module.parameters(), *module.buffers()]
-        zero1 = any(isinstance(_torch_optimizer(optimizers[j]), ZeroRedundancyOptimizer) for j in indices)
+        zero1 = any(_is_zero1(_torch_optimizer(optimizers[j])) for j in indices)
         keys = hashlib.sha256("\n".join(sorted(module.state_dict())).encode()).hexdigest()
         local.append((zero1 or any(isinstance(t, DTensor) for t in tensors), keys))
     everyone = [local]
@@ -455,7 +463,7 @@ def _sync_zero_param_groups(optimizer: torch.optim.Optimizer) -> None:
     """ZeRO-1 copies hyper-parameters from its own param_groups to the inner optimizer at every step, so
     what was loaded into the inner one must reach the outer groups too (schedulers read those)."""
     outer = _torch_optimizer(optimizer)
-    if isinstance(outer, ZeroRedundancyOptimizer):
+    if _is_zero1(outer):
         _copy_hyper_parameters(outer.optim.param_groups, outer.param_groups)
 
 
@@ -479,7 +487,7 @@ def streamed_parts(names: set[str], model_parts: dict[str, tuple[nn.Module, Any]
         name
         for name in names
         if model_parts[name][1] is model_parts[name][0]
-        or not isinstance(_torch_optimizer(model_parts[name][1]), ZeroRedundancyOptimizer)
+        or not _is_zero1(_torch_optimizer(model_parts[name][1]))
     }
 
 
@@ -542,7 +550,7 @@ def apply_full_optimizer_state(
             set_optimizer_state_dict(unwrap(model), outer, by_name, options=options)
         return
     check_full_optimizer_state(optimizer, state)
-    if isinstance(outer, ZeroRedundancyOptimizer) or not state["state"]:
+    if _is_zero1(outer) or not state["state"]:
         outer.load_state_dict(state)
         return
     module = unwrap(model)
