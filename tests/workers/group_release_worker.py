@@ -1,6 +1,6 @@
 """Launched by tests/test_state.py: destroy_process_group ends the gloo group for real (its worker
 threads stop while the interpreter is whole), even after a DDP step, a gather_object, a ZeRO-3 (FSDP2)
-step with its state gathered, and a barrier.
+step with its state gathered and saved, and a barrier.
 
 torch.distributed.nn.functional takes `group=group.WORLD` as default arguments, evaluated when it is
 first imported: imported after the group formed (DDP, the profiler, torch.compile and torch's checkpoint
@@ -43,6 +43,7 @@ def main() -> int:
     zero3 = sharded.prepare(torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2)))
     sharded.backward(zero3(torch.randn(4, 3)).sum())
     sharded.get_state_dict(zero3)  # gathers the shards: DTensor's redistribution caches see the mesh
+    sharded.save_state(Path(sys.argv[1]) / "zero3")  # the checkpoint code must not import ZeRO-1's module
     accelerator.wait_for_everyone()
     before = gloo_threads()
     state = accelerator.state  # as Accelerate's test scripts end: the shared state reset, then the group
