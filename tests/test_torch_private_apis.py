@@ -213,7 +213,7 @@ def test_grad_scaler_unscales_through_unscale_grads():
 
 
 def test_dtensor_caches_that_hold_device_meshes_can_be_emptied():
-    """unison.state._release_dtensor_caches: DTensor's sharding-propagation caches (debug.
+    """unison.parallel.engines.release_dtensor_caches: DTensor's sharding-propagation caches (debug.
     _clear_sharding_prop_cache), the redistribution planner's (_redistribute.
     clear_redistribute_planner_cache, _gen_transform_infos) and MeshTopoInfo.build_from_mesh's hold a
     DeviceMesh (and through it the process group) after destroy_process_group; emptied, it is freed."""
@@ -222,7 +222,7 @@ def test_dtensor_caches_that_hold_device_meshes_can_be_emptied():
         import gc, weakref, torch, torch.distributed as dist
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-        from unison.state import _release_dtensor_caches
+        from unison.parallel.engines import release_dtensor_caches
         dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
         def use_a_mesh():
             mesh = init_device_mesh("cpu", (1,))
@@ -232,7 +232,7 @@ def test_dtensor_caches_that_hold_device_meshes_can_be_emptied():
         dist.destroy_process_group()
         gc.collect()
         assert mesh() is not None, "no cache holds the mesh any more: the release may be unneeded"
-        _release_dtensor_caches()
+        release_dtensor_caches()
         gc.collect()
         assert mesh() is None, gc.get_referrers(mesh())
         print("ok")

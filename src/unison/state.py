@@ -31,6 +31,7 @@ from .env_vars import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECOND
 from .environment import ProcessLayout, detect_layout
 from .health.failure import end_fast_on_uncaught_error
 from .health.watchdog import Watchdog
+from .parallel.engines import release_dtensor_caches
 from .splitting import split_for_process
 
 logger = logging.getLogger("unison")
@@ -198,7 +199,7 @@ def _destroy_process_group() -> None:
         gc.collect()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    _release_dtensor_caches()  # also when the script destroyed the group itself
+    release_dtensor_caches()  # also when the script destroyed the group itself
     gc.collect()
 
 
@@ -454,31 +455,7 @@ def _end_process_group(group: dist.ProcessGroup | None) -> None:
     if dist.is_initialized():
         dist.destroy_process_group(group)
     if group is None:
-        _release_dtensor_caches()
-
-
-def _release_dtensor_caches() -> None:
-    """Empty DTensor's sharding-propagation and redistribution caches, which hold DeviceMeshes.
-
-    A DeviceMesh keeps its process groups (by name, in a registry of its own), and DTensor caches the
-    meshes of every op it propagated (FSDP2's `fully_shard` runs such ops: a ZeRO-3 `prepare()` is
-    enough) in a thread-local cache and in a C++ one, neither reachable from any module, and those of
-    every redistribution in three module-level ones, so
-    destroy_process_group leaves the gloo group, and its threads, alive into the interpreter's teardown
-    (docs/failures.md, "Known limits"). No public API clears them; the private ones are pinned in
-    tests/test_torch_private_apis.py. A torch that lacks them keeps the caches: nothing else changes.
-    """
-    if "torch.distributed.tensor" not in sys.modules:  # no DTensor was made: nothing cached
-        return
-    with contextlib.suppress(ImportError, AttributeError):
-        from torch.distributed.tensor import _redistribute
-        from torch.distributed.tensor._collective_utils import MeshTopoInfo
-        from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-        _clear_sharding_prop_cache()
-        _redistribute.clear_redistribute_planner_cache()
-        _redistribute._gen_transform_infos.cache_clear()
-        MeshTopoInfo.build_from_mesh.cache_clear()
+        release_dtensor_caches()
 
 
 class GradientState:
