@@ -29,7 +29,8 @@ import torch.distributed as dist
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _C10D_FILE = os.path.join(_DISTRIBUTED_DIR, "distributed_c10d.py")
-_UNISON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # the package, above health/
+# the whole package (this module is in its health/ wing): frames there are unison's, not the user's
+_UNISON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
 
 _TENSOR_ARGUMENTS = (
