@@ -174,6 +174,9 @@ def test_sigkilled_run_resumes_bit_identical(launched, nproc):
     assert launched.kill_problems[nproc] == []
     resume = launched.root / "resume"
     assert_bit_identical(params(resume / f"killed{nproc}.pt"), params(resume / f"uninterrupted{nproc}.pt"))
+    # the last run went on from a checkpoint (a run that loaded nothing would end bit-identical too)
+    assert int((resume / f"killed{nproc}.resumed_at").read_text()) > 0
+    assert int((resume / f"uninterrupted{nproc}.resumed_at").read_text()) == 0
 
 
 def test_resume_on_another_number_of_processes_follows_the_same_trajectory(launched):

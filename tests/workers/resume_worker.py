@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -80,6 +81,7 @@ def main(argv: list[str] | None = None) -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     accelerator.register_for_checkpointing(Ballast(args.ballast_mb))
     accelerator.load_state(missing_ok=True)
+    resumed_at = accelerator.optimizer_steps  # 0 when no checkpoint was there to load
 
     for epoch in range(loader.epoch, EPOCHS):
         loader.set_epoch(epoch)
@@ -99,6 +101,8 @@ def main(argv: list[str] | None = None) -> None:
                 return
     if accelerator.is_main_process:
         torch.save(accelerator.unwrap_model(model).state_dict(), os.fspath(args.out))
+        # which step the run began at: a resume that loaded nothing would also end bit-identical
+        Path(args.out).with_suffix(".resumed_at").write_text(str(resumed_at))
 
 
 if __name__ == "__main__":
