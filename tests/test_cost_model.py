@@ -11,8 +11,6 @@ from unison.parallel.config import ParallelismConfig
 from unison.parallel.pipeline_split import _balance
 from unison.planning.cost_model import (
     ACTIVATION_BYTES,
-    DEFAULT_EFFICIENCY,
-    DEVICES,
     GRADIENT_BYTES,
     HIDDEN_HALF_EFFICIENCY,
     KERNEL_SECONDS,
@@ -25,6 +23,7 @@ from unison.planning.cost_model import (
     DeviceSpec,
     step_cost,
 )
+from unison.planning.devices import DEFAULT_EFFICIENCY, DEVICES
 from unison.planning.memory import ModelShape
 
 A100 = DEVICES["a100-80gb"]

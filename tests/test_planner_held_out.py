@@ -20,7 +20,7 @@ import pytest
 from test_planner_published import degrees, within_one_step
 
 from unison.planning import planner
-from unison.planning.cost_model import DEVICES
+from unison.planning.devices import DEVICES
 from unison.planning.memory import ModelShape
 from unison.planning.planner import Hardware, Workload
 

@@ -50,9 +50,7 @@ from typing import Any
 
 from ..parallel.config import ParallelismConfig
 from . import stages as plan_stages
-from .devices import DEFAULT_EFFICIENCY as DEFAULT_EFFICIENCY
-from .devices import DEVICES as DEVICES
-from .devices import DeviceSpec
+from .devices import DEFAULT_EFFICIENCY, DeviceSpec
 from .memory import ModelShape
 
 HIDDEN_HALF_EFFICIENCY = 640

@@ -27,7 +27,8 @@ from ..parallel.checkpointing_modes import FULL
 from ..parallel.config import ParallelismConfig
 from . import memory
 from . import speed as plan_speed
-from .cost_model import DEFAULT_EFFICIENCY, Batch, DeviceSpec, StepCost, stages_per_device, step_cost
+from .cost_model import Batch, DeviceSpec, StepCost, stages_per_device, step_cost
+from .devices import DEFAULT_EFFICIENCY
 from .hardware import LINKS_BETWEEN_NODES, LINKS_WITHIN_NODE, Hardware
 from .hardware import detect_hardware as detect_hardware
 from .hardware import link_from_topology as link_from_topology

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from ..parallel.config import ParallelismConfig
-from .cost_model import DEVICES, PCIE_BANDWIDTH, Batch, DeviceSpec
+from .cost_model import PCIE_BANDWIDTH, Batch, DeviceSpec
+from .devices import DEVICES
 from .hardware import Hardware
 from .inputs import Workload
 
