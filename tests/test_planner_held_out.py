@@ -36,7 +36,7 @@ class Run:
     vocab: int
     seq: int
     devices: int
-    device: str  # cost_model.DEVICES key
+    device: str  # devices.DEVICES key
     global_batch: int  # sequences per step
     zero: bool  # the parallelism the authors had: ZeRO/FSDP (True) or Megatron's TP/PP/DP only
     published: tuple[int, int, int]  # tp, pp, dp

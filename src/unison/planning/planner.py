@@ -121,7 +121,7 @@ def plan_parallelism(
     `pipeline=False` / `tensor_parallel=False` leave out layouts the run cannot take (a loop without the
     pipeline step, a model without a TP plan).
     With `global_batch_size` (sequences per step) and `seq_len`, every layout that fits is priced by
-    unison.planning.cost_model on `device` (a name in cost_model.DEVICES or a DeviceSpec; default H100) at
+    unison.planning.cost_model on `device` (a name in devices.DEVICES or a DeviceSpec; default H100) at
     `efficiency` x its peak, and the fastest is chosen; without, the first in the guide's order that fits.
     """
     workload = Workload(

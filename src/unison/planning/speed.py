@@ -36,7 +36,7 @@ LARGEST_MICRO_BATCH = 64
 
 
 def device_spec(hardware: Hardware, name: str | DeviceSpec | None = None) -> DeviceSpec:
-    """The DeviceSpec to price `hardware` with: `name` from cost_model.DEVICES (or a DeviceSpec), its links
+    """The DeviceSpec to price `hardware` with: `name` from devices.DEVICES (or a DeviceSpec), its links
     replaced by what `hardware` says it has (PCIe inside a node; Ethernet, InfiniBand or NVLink between)."""
     if isinstance(name, DeviceSpec):
         spec = name
@@ -60,7 +60,7 @@ def device_spec(hardware: Hardware, name: str | DeviceSpec | None = None) -> Dev
 
 
 def device_key(device: torch.device) -> str | None:
-    """The cost_model.DEVICES key of a CUDA device by its name (A100s by their memory), else None."""
+    """The devices.DEVICES key of a CUDA device by its name (A100s by their memory), else None."""
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device).upper()
