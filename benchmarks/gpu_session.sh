@@ -3,6 +3,7 @@
 # one machine start, one command). Run from the repository root on a machine with one CUDA GPU:
 #   bash benchmarks/gpu_session.sh OUT_DIR [SECONDS]   # SECONDS: the whole run's budget (default 540)
 #   SMOKE=1 bash benchmarks/gpu_session.sh /tmp/out    # on a CPU: the plumbing, with every --smoke
+#   ONLY='offload|meta' SKIP='eager' bash ...          # the parts whose names match ONLY and not SKIP
 # Parts run in order of importance, each under its own time limit cut to what is left of the budget,
 # so one that hangs or fails costs only itself. OUT_DIR gets session.log (everything printed) and the
 # JSON each benchmark writes. The package is used from src/ (PYTHONPATH), not installed.
@@ -19,6 +20,10 @@ log="$out/session.log"
 part() {  # part NAME LIMIT COMMAND...: run COMMAND under min(LIMIT, what is left), logged
   local name=$1 limit=$2
   shift 2
+  if ! [[ $name =~ ${ONLY:-.} ]] || [[ -n ${SKIP:-} && $name =~ $SKIP ]]; then
+    echo "=== $name: not asked for" | tee -a "$log"
+    return
+  fi
   local left=$((budget - (SECONDS - start) - 5))
   ((left < limit)) && limit=$left
   if ((limit < 10)); then
