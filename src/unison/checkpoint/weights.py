@@ -18,6 +18,7 @@ import torch.distributed as dist
 
 from ..ops import broadcast_object_list
 from ..parallel.ddp import unwrap
+from ..parallel.engines import is_dtensor
 from ..state import PartialState
 from .storage import raise_if_any_process_failed
 
@@ -131,7 +132,8 @@ def _tie(state: dict[str, torch.Tensor], module: torch.nn.Module) -> dict[str, t
 def consolidated_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> dict[str, torch.Tensor]:
     """The full, unsharded state dict of `model` on CPU, keyed as the user's module, from any layout.
 
-    Collective when processes run together: every process calls it. Process 0 receives the tensors
+    Collective when processes run together, or when one process holds DTensors (FSDP2 offloading on
+    one process): every process calls it. Process 0 receives the tensors
     (the others get an empty dict, which spares their memory) unless `all_ranks` is True. Tied weights
     share one tensor, as in `module.state_dict()`; and as there, the tensors of a model that is whole on
     each process (plain, DDP) on the CPU are the live ones: clone them to keep a snapshot while training
@@ -139,7 +141,7 @@ def consolidated_state_dict(model: torch.nn.Module, all_ranks: bool = False) -> 
     gathered in the order of the processes.
     """
     module = unwrap(model)
-    if not _distributed():
+    if not _distributed() and not any(is_dtensor(p) for p in module.parameters()):
         return _tie({key: value.detach().cpu() for key, value in module.state_dict().items()}, module)
     # torch's state-dict helpers load DCP and DTensor (0.5 s): only collective saves need them.
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict

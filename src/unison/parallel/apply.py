@@ -45,14 +45,15 @@ def data_parallel_engine(config: ParallelismConfig) -> str:
 
     FSDP2 whenever ZeRO-2/3 is asked for, and also with tensor or pipeline parallelism: DDP cannot
     wrap DTensor parameters, and its reducer breaks under torch's pipeline schedules (engine notes,
-    tests/test_pipeline.py), so replicas of a TP or PP model are FSDP2 units too.
+    tests/test_pipeline.py), so replicas of a TP or PP model are FSDP2 units too. ZeRO-2/3 with offload
+    on one process is FSDP2 as well: nothing to shard, but the state to keep in host memory.
     """
     if config.legacy_data_parallel:
         return "dataparallel"
     if (config.cp_size or 1) > 1:
         return "fsdp"  # context-parallel ranks average gradients too; FSDP2 over dp_shard x cp (torchtitan)
     if config.dp_size == 1:
-        return "none"
+        return "fsdp" if config.offload else "none"  # offload on one process: FSDP2 moves the state
     if config.zero_stage in (2, 3) or (config.tp_size or 1) > 1 or (config.pp_size or 1) > 1:
         return "fsdp"
     return "ddp"

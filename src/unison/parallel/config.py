@@ -229,6 +229,11 @@ class ParallelismConfig:
         zero_stage = self.zero_stage
         if zero_stage is None and sizes["dp_shard_size"] > 1:
             zero_stage = 3
+        if self._offloads_on_one_process(sizes):
+            # ZeRO-2/3 with offload on one process (one GPU, a model bigger than it): FSDP2 over a
+            # one-rank dp_shard keeps parameters, gradients and optimizer state in host memory, the
+            # device holding one unit at a time, as DeepSpeed's ZeRO-Offload does on one GPU.
+            return dataclasses.replace(self, zero_stage=zero_stage, **sizes)
         if self._nothing_left_to_shard(sizes):
             # The same script on fewer processes (one, with `python train.py`): ZeRO over a single
             # process is plain training, so it runs as such (unsharded_note says so) instead of failing.
@@ -244,6 +249,11 @@ class ParallelismConfig:
             and sizes["dp_shard_size"] == 1
             and sizes["cp_size"] == 1
         )
+
+    def _offloads_on_one_process(self, sizes: dict[str, int]) -> bool:
+        """ZeRO-2/3 with offload=true on a single process: nothing to shard, but memory to move to the
+        host, so FSDP2 still runs (over a one-rank dp_shard)."""
+        return self.offload and self.zero_stage in (2, 3) and math.prod(sizes.values()) == 1
 
     def unsharded_note(self, world_size: int) -> str | None:
         """The line that says a ZeRO stage runs unsharded on `world_size` processes, or None."""
@@ -275,7 +285,12 @@ class ParallelismConfig:
                 f"but this layout is {self.describe()} on {self.total_size} processes: run the script with "
                 "plain `python` (no launcher), or use DDP ('ddp'), which is faster anyway."
             )
-        if self.zero_stage is not None and self.dp_shard_size == 1 and (self.cp_size or 1) == 1:
+        if (
+            self.zero_stage is not None
+            and self.dp_shard_size == 1
+            and (self.cp_size or 1) == 1
+            and not self._offloads_on_one_process({name: getattr(self, name) or 1 for name in DEGREE_FIELDS})
+        ):
             raise ValueError(
                 f"zero_stage={self.zero_stage} shards over the dp_shard dimension, but dp_shard_size=1: "
                 "there is nothing to shard over. Give dp_shard_size >= 2 (or leave it None to fill the "
@@ -295,7 +310,7 @@ class ParallelismConfig:
                     f"{option}={value!r} was given but {dimension}=1, so it would be ignored: set "
                     f"{dimension} >= 2, or drop {option}."
                 )
-        sharded = self.dp_size > 1 and self.zero_stage in (2, 3)
+        sharded = (self.dp_size > 1 or self.offload) and self.zero_stage in (2, 3)
         if self.zero_blocks is not None and (
             not isinstance(self.zero_blocks, str) or not (sharded or self.activation_checkpointing)
         ):

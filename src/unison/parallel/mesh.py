@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from .config import ParallelismConfig
+from .one_process_group import form_one_process_group
 
 MESH_DIM_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 """Outermost first: pipeline stages talk least (across nodes), tensor parallel most (inside a node)."""
@@ -30,7 +31,8 @@ hold different parts of the same sequences, so their gradients are averaged like
 
 
 def mesh_layout(config: ParallelismConfig) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    """(dim names, shape) of the mesh for a validated config: only dimensions of size > 1, in order."""
+    """(dim names, shape) of the mesh for a validated config: only dimensions of size > 1, in order, and
+    dp_shard of size 1 under offload (ZeRO-2/3 offloading on one process runs FSDP2 over it)."""
     sizes = {
         "pp": config.pp_size,
         "dp_replicate": config.dp_replicate_size,
@@ -38,12 +40,17 @@ def mesh_layout(config: ParallelismConfig) -> tuple[tuple[str, ...], tuple[int, 
         "cp": config.cp_size,
         "tp": config.tp_size,
     }
-    kept = [(name, sizes[name]) for name in MESH_DIM_ORDER if (sizes[name] or 1) > 1]
+    kept = [
+        (name, sizes[name] or 1)
+        for name in MESH_DIM_ORDER
+        if (sizes[name] or 1) > 1 or (name == "dp_shard" and config.offload)
+    ]
     return tuple(name for name, _ in kept), tuple(size for _, size in kept)
 
 
 def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh | None:
-    """The run's DeviceMesh (None when every degree is 1). Call on every rank: it creates groups.
+    """The run's DeviceMesh (None when every degree is 1, except ZeRO-2/3 offloading on one process,
+    for which it forms a process group of that one process). Call on every rank: it creates groups.
 
     `config` is validated against the world size here too (a pure check, the same on every rank).
     When both data-parallel dimensions are used, their flattened view "dp" is created as well; fetch it
@@ -53,6 +60,8 @@ def build_device_mesh(config: ParallelismConfig, device_type: str) -> DeviceMesh
     names, shape = mesh_layout(config.validate(world_size))
     if not names:
         return None
+    if not dist.is_initialized():  # one process offloading ZeRO-2/3 to the host: FSDP2 needs a group
+        form_one_process_group()
     mesh = init_device_mesh(device_type, shape, mesh_dim_names=names)
     if "dp_replicate" in names and "dp_shard" in names:
         # private, the one way to name a flattened dimension (tests/test_torch_private_apis.py)
