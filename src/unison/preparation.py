@@ -163,7 +163,9 @@ class PreparationMethods:
             device_placement = self.device_placement
         # built on the meta device (init_empty_weights): sharded first, then each rank's shards only
         deferred = deferred_model(model, self.parallelism, self.device_mesh, self.device)
-        if device_placement and deferred is None:
+        # Under offload FSDP2 moves each unit to the device in turn as it shards it and keeps the shards in
+        # host memory: moved whole first, a model bigger than the GPU would not fit.
+        if device_placement and deferred is None and not self.parallelism.offload:
             model = model.to(self.device)
         before = dict(unwrap(model).named_parameters(remove_duplicate=False))  # names as the user's module's
         if deferred is not None:

@@ -122,6 +122,7 @@ class DeferredModel:
     device: torch.device
     whole: bool  # materialised before wrapping (the layout holds the whole model)
     tp_mesh: DeviceMesh | None = None
+    offload: bool = False  # ZeRO-2/3 with offload=true: the shards in host memory, buffers on the device
     # process 0's parameters and buffers (non-persistent ones too), a tied tensor once, "rank0" only,
     # and the other names of each tied one
     weights: dict[str, torch.Tensor] = field(default_factory=dict)
@@ -154,7 +155,12 @@ class DeferredModel:
 
     def _materialize(self, model: nn.Module) -> None:
         with _in_place():
-            model.to_empty(device=self.device)
+            # FSDP2's CPU offload keeps the shards in host memory and refuses, at the first forward,
+            # shards materialised on a GPU ("FSDP parameters should be materialized on CPU"): there, a
+            # model bigger than the GPU fits; the buffers go to the device, where forward uses them.
+            model.to_empty(device=torch.device("cpu") if self.offload else self.device)
+        if self.offload:
+            _buffers_to(model, self.device)
         module = unwrap(model)
         buffers = dict(module.named_buffers(remove_duplicate=False))  # a pipeline stage: its own only
         with torch.no_grad():
@@ -258,6 +264,13 @@ class DeferredModel:
                 dist.broadcast(_local(param).detach(), src=dist.get_global_rank(group, 0), group=group)
 
 
+def _buffers_to(model: nn.Module, device: torch.device) -> None:
+    """Move every buffer of `model` to `device` (parameters stay where they are)."""
+    for module in model.modules():
+        for name, buffer in list(module.named_buffers(recurse=False)):
+            setattr(module, name, buffer.to(device))  # re-registers it, persistent or not as it was
+
+
 @contextlib.contextmanager
 def _in_place() -> Iterator[None]:
     """Module.to / to_empty that keep each parameter object (torch's public swap_tensors switch).
@@ -334,7 +347,13 @@ def deferred_model(
     if source is None:
         return None
     tp_mesh = mesh["tp"] if (config.tp_size or 1) > 1 and mesh is not None else None
-    deferred = DeferredModel(source=source, device=device, whole=_holds_whole_model(config), tp_mesh=tp_mesh)
+    deferred = DeferredModel(
+        source=source,
+        device=device,
+        whole=_holds_whole_model(config),
+        tp_mesh=tp_mesh,
+        offload=config.offload,
+    )
     logger.info(
         "%s is on the meta device: sharded first, then each process materialises its own shards (%s)",
         type(model).__name__,
