@@ -21,7 +21,11 @@ def form_one_process_group() -> None:
     state = PartialState()  # in a launched run, this forms the run's own group
     if dist.is_initialized():
         return
-    kwargs = {"device_id": state.device} if state.backend == "nccl" else {}
+    backend, kwargs = state.backend, {}
+    if backend == "nccl":
+        # gloo beside NCCL for the CPU tensors of offloaded shards (the gradient norm of clipping is a
+        # collective over them), as torchtitan forms its group under CPU offload
+        backend, kwargs = "cuda:nccl,cpu:gloo", {"device_id": state.device}
     _import_group_defaults_before_the_group()  # see state.py: else the group outlives destroy at exit
-    dist.init_process_group(state.backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     atexit.register(_destroy_process_group)
