@@ -79,7 +79,8 @@ class ParallelismConfig:
         offload: with ZeRO-2/3, keep parameters, gradients and optimizer state in host memory (FSDP2's
             CPUOffloadPolicy, the guide's ZeRO-Offload): the device holds only the blocks being computed and
             the activations; each step copies shards in and gradients out over PCIe and the optimizer steps
-            on the CPU. For models that fit no other way (the planner proposes it only then).
+            on the CPU. For models that fit no other way (the planner proposes it only then). Also on one
+            process (one GPU, a model bigger than it): FSDP2 then runs over a one-rank dp_shard.
         legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
             Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
             threads, no overloaded GPU 0; see docs/data-parallel.md).
