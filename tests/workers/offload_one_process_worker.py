@@ -9,6 +9,7 @@ SAVE_AT optimizer steps, then a fresh model, optimizer and scheduler load it and
 identical to the uninterrupted one); save_model writes the user's names; a model built inside
 unison.init_empty_weights() and prepared gets the weights of the model built normally with the same
 seed; and the "runs unsharded" note is not logged. Writes a JSON report to the first argument.
+With --gpu (a device check by hand, not run by the tests) it runs on the GPU instead of the CPU.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ STEPS = 3
 SAVE_AT = 2  # optimizer steps before save_state
 SEED = 7
 LAYOUTS = ("zero2,offload=true", "zero3,offload=true")
+CPU = "--gpu" not in sys.argv
 
 
 class Block(torch.nn.Module):
@@ -63,7 +65,7 @@ BATCHES = [(torch.randn(4, 8, generator=_DATA), torch.randn(4, 1, generator=_DAT
 
 def new_run(layout: str | None, model: torch.nn.Module) -> tuple[Accelerator, ...]:
     AcceleratorState._reset_state()
-    accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=ACCUMULATION)
+    accelerator = Accelerator(cpu=CPU, parallelism=layout, gradient_accumulation_steps=ACCUMULATION)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.2, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return (accelerator, *accelerator.prepare(model, optimizer, scheduler))
@@ -72,7 +74,7 @@ def new_run(layout: str | None, model: torch.nn.Module) -> tuple[Accelerator, ..
 def train(accelerator, model, optimizer, scheduler, micro_steps: range) -> list[float]:
     losses = []
     for index in micro_steps:
-        x, y = BATCHES[index]
+        x, y = (t.to(accelerator.device) for t in BATCHES[index])
         with accelerator.accumulate(model):
             loss = torch.nn.functional.mse_loss(model(x), y)
             accelerator.backward(loss)
