@@ -93,6 +93,20 @@ def test_one_process_compiles_each_block_in_place(fresh_state):
     assert max((eager_state[k] - compiled_state[k]).abs().max().item() for k in eager_state) <= TOLERANCE
 
 
+def test_a_model_compiled_whole_trains_under_mixed_precision(fresh_state):
+    """bf16 autocast enters and leaves through the prepared model's hooks; compiled whole (Accelerate's
+    default, and torch.compile of the prepared model) dynamo traced them, and the first forward failed
+    with "'autocast' object has no attribute 'prev'" (found on an H100, 2026-11-26)."""
+    eager = _train(Accelerator(cpu=True, mixed_precision="bf16")).state_dict()
+    whole = TorchDynamoPlugin(backend="aot_eager", use_regional_compilation=False)
+    accelerator = Accelerator(cpu=True, mixed_precision="bf16", dynamo_plugin=whole)
+    compiled = _train(accelerator)
+    assert compiled._compiled_call_impl is not None  # the whole model, not its blocks
+    by_the_user = torch.compile(Accelerator(cpu=True, mixed_precision="bf16").prepare(make_tiny_gpt(1, 16)))
+    assert by_the_user(torch.zeros(2, 16, dtype=torch.long))[0].dtype == torch.float32  # left autocast
+    assert max((eager[k] - v).abs().max().item() for k, v in compiled.state_dict().items()) <= 1e-3
+
+
 def test_backend_names_are_checked_before_any_work(fresh_state, monkeypatch):
     with pytest.raises(ValueError, match=r"dynamo_backend='inductr'.*'inductor'"):
         Accelerator(cpu=True, dynamo_backend="inductr")

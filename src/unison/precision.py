@@ -77,9 +77,13 @@ class PrecisionPolicy:
             active.pop().__exit__(None, None, None)
             return self.outputs_to_fp32(output) if convert_outputs else output
 
+        # Kept out of torch.compile's graphs: a model compiled whole (nn.Module.compile, or torch.compile of
+        # the prepared model) traces its hooks too, and an autocast entered inside the trace is no real
+        # context to leave after a graph break ("'autocast' object has no attribute 'prev'"). Run eagerly,
+        # they set the autocast state that the compiled forward is traced (and guarded) under.
         return [
-            model.register_forward_pre_hook(enter_autocast),
-            model.register_forward_hook(leave_autocast, always_call=True),
+            model.register_forward_pre_hook(torch.compiler.disable(enter_autocast)),
+            model.register_forward_hook(torch.compiler.disable(leave_autocast), always_call=True),
         ]
 
     def outputs_to_fp32(self, output: Any) -> Any:
