@@ -189,6 +189,29 @@ def test_convert_outputs_to_fp32_keeps_big_outputs_half_when_the_model_returned_
         assert model.proj.weight.grad is not None
 
 
+class ReturnsLogitsAndLoss(nn.Module):
+    """nanoGPT's convention: (logits, loss), the loss None without targets."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 5)
+
+    def forward(self, x, labels=None):
+        logits = self.proj(x)
+        return logits, None if labels is None else nn.functional.cross_entropy(logits, labels)
+
+
+@pytest.mark.parametrize("convert", [None, True])
+def test_a_tuple_with_a_scalar_loss_keeps_its_logits_half_by_default(convert):
+    accelerator = Accelerator(mixed_precision="bf16", cpu=True, convert_outputs_to_fp32=convert)
+    model = accelerator.prepare(ReturnsLogitsAndLoss())
+    x, labels = torch.randn(4, 8), torch.tensor([1, 2, 3, 4])
+    logits, loss = model(x, labels)
+    assert loss.dtype == torch.float32
+    assert logits.dtype == (torch.bfloat16 if convert is None else torch.float32)
+    assert model(x)[0].dtype == torch.float32  # no loss inside: the loss computed outside gets fp32 logits
+
+
 def test_convert_outputs_to_fp32_is_refused_unless_true_false_or_none():
     with pytest.raises(ValueError, match=r"convert_outputs_to_fp32='auto'.*True.*False.*None"):
         Accelerator(mixed_precision="bf16", cpu=True, convert_outputs_to_fp32="auto")

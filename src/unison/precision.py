@@ -90,12 +90,13 @@ class PrecisionPolicy:
         """A prepared model's output with its half-precision floating tensors made fp32, so that a loss or
         metric computed from them outside the model runs in full precision (Accelerate's behaviour).
 
-        The copy costs memory in proportion to the output: the logits of 8 x 8192 tokens over a
+        The copy costs memory and time in proportion to the output: the logits of 8 x 8192 tokens over a
         128,256-word vocabulary are 16.8 GB in bf16 and 33.6 GB more in fp32. So by default
-        (convert_outputs_to_fp32=None) a model that returns its own loss, a mapping with a "loss" tensor as
-        Hugging Face models do when given labels, gets only that loss converted: its loss was computed
-        inside the model (under autocast, or upcast by the model itself), and the other outputs serve
-        metrics. True converts everything, always; False nothing.
+        (convert_outputs_to_fp32=None) a model that returns its own loss gets only that loss converted: a
+        mapping with a "loss" tensor (as Hugging Face models return when given labels), or a tuple or list
+        holding a scalar (nanoGPT's `logits, loss`). Its loss was computed inside the model (under autocast,
+        or upcast by the model itself), and the other outputs serve metrics. True converts everything,
+        always; False nothing.
         """
         mode = self.convert_outputs_to_fp32
         if mode is False:
@@ -103,6 +104,8 @@ class PrecisionPolicy:
         if mode is None and isinstance(output, Mapping) and isinstance(output.get("loss"), torch.Tensor):
             output["loss"] = _to_fp32(output["loss"])  # a ModelOutput keeps its attribute in step
             return output
+        if mode is None and isinstance(output, (tuple, list)) and any(_is_scalar(item) for item in output):
+            return recursively_apply(lambda t: _to_fp32(t) if t.dim() == 0 else t, output)
         return recursively_apply(_to_fp32, output)
 
 
@@ -195,9 +198,15 @@ def check_convert_outputs(value: Any) -> bool | None:
         raise ValueError(
             f"convert_outputs_to_fp32={value!r}: pass True (every floating output of a prepared model in "
             "fp32, as Accelerate does), False (outputs as the model computed them) or None (True, except "
-            "that a model which returns its own `loss` keeps its other outputs)."
+            "that a model which returns its own loss, a `loss` entry or a scalar beside its logits, keeps "
+            "its other outputs)."
         )
     return value
+
+
+def _is_scalar(value: Any) -> bool:
+    """A zero-dimensional floating tensor: what a loss computed inside a model comes out as."""
+    return isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()
 
 
 def _to_fp32(tensor: torch.Tensor) -> torch.Tensor:
