@@ -10,6 +10,17 @@ L blocks, s·b·h the activation elements of a block's input and e bytes per ele
     selective (op)  L·s·b·(h + o + h')·e                        + head  + A - s·b·(h + o + h')·e
 
 with head = logits + 2·s·b·h·e: the fp32 logits and the inputs of the final norm and the output layer.
+
+`unison estimate-memory` adds the peak of backward's first moment: G = 2·logits, the loss's gradient over
+the vocabulary, which backward computes first and in fp32 (torch's cross-entropy runs in fp32 under
+autocast): the gradients of the log-probabilities and of the logits, alive together beside every kept
+activation (so the last term becomes max(A, G), and G without checkpointing). For GPT-2 (a 50,304-word
+vocabulary) at 8 x 1,024 tokens G is 3.1 GiB, more than twelve checkpointed blocks keep; without it the
+estimated peak was 30-45% low on an H100 (benchmarks/gpu_memory.py, 2026-11-26). The planner leaves G
+out for now: counting it moves three of the published runs it is checked against (tests/
+test_planner_published.py: Llama 3.1 8B's FSDP over 8 H100s, and two of Megatron-LM's table, whose fused
+vocabulary-parallel cross-entropy computes that gradient in place) to other layouts, and whether it
+should is not settled by one single-GPU measurement.
 (The Korthikanti per-block figure A counts 1-byte dropout masks, s·b·h·2 per block, which a model without
 dropout does not keep; without checkpointing they stand in for those two head inputs, measured within
 1% on the example GPT. With checkpointing the masks are recomputed, so the head inputs are counted.)
@@ -52,14 +63,17 @@ def estimate_activation_bytes(
     mode: str | None = None,
     tensor_parallel: int = 1,
     attention_heads: int | None = None,
+    loss_gradients: bool = False,
 ) -> int:
     """Activation bytes per device for one micro-batch under checkpointing `mode`: what forward keeps plus
-    what backward rebuilds at once (`activation_parts`, module docstring)."""
-    return sum(
-        activation_parts(
-            shape, micro_batch_size, seq_len, element_bytes, mode, tensor_parallel, attention_heads
-        )
+    what backward rebuilds at once (`activation_parts`, module docstring); with `loss_gradients`, plus
+    the larger of that rebuild and the loss's gradients instead (G, as `unison estimate-memory` counts)."""
+    kept, rebuilt = activation_parts(
+        shape, micro_batch_size, seq_len, element_bytes, mode, tensor_parallel, attention_heads
     )
+    if loss_gradients:
+        rebuilt = max(rebuilt, loss_gradient_bytes(shape, micro_batch_size, seq_len, tensor_parallel))
+    return kept + rebuilt
 
 
 def activation_parts(
@@ -96,6 +110,16 @@ def activation_parts(
     checkpointed = checkpointed_block_count(mode, shape.layers)
     kept = (shape.layers - checkpointed) * block + checkpointed * block_input + logits
     return math.ceil(kept), block if checkpointed else 0
+
+
+def loss_gradient_bytes(
+    shape: memory.ModelShape, micro_batch_size: int, seq_len: int, tensor_parallel: int = 1
+) -> int:
+    """G of the module docstring: the fp32 gradients of the log-probabilities and of the logits that a
+    cross-entropy's backward holds together at its start (0 for a model without a vocabulary)."""
+    if not shape.vocab:
+        return 0
+    return math.ceil(2 * 4 * seq_len * micro_batch_size * shape.vocab / tensor_parallel)
 
 
 def cast_parameters(shape: memory.ModelShape, mode: str | None, computed: int, split: int = 1) -> int:

@@ -73,7 +73,11 @@ def estimate(
                 else "no recomputation, "
             )
             + (f"attention scores stored ({attention_heads} heads)" if attention_heads else "fused attention")
-            + (f", fp32 logits over vocabulary {shape.vocab}" if shape.vocab else "")
+            + (
+                f", fp32 logits over vocabulary {shape.vocab} and backward's first fp32 gradients over it"
+                if shape.vocab
+                else ""
+            )
             + "; PP assumes 1F1B."
         )
     rows = []
@@ -101,6 +105,7 @@ def estimate(
                     activation_checkpointing,
                     tensor_parallel=devices if strategy == "tp" else 1,
                     attention_heads=attention_heads,
+                    loss_gradients=True,  # a single step's peak, as torch's cross-entropy runs it
                 )
             rows.append(DeviceMemory(precision.name, strategy, is_estimate, p, g, o, activations))
     return MemoryEstimate(shape, devices, micro_batch_size, seq_len, tuple(rows), tuple(notes))
