@@ -58,6 +58,7 @@ def parse_args() -> argparse.Namespace:
     arg("--warmup-steps", type=int, default=5, help="untimed steps of each loop first (compilation)")
     arg("--no-compile", action="store_true", help="eager mode, both loops")
     arg("--compile-on-cpu", action="store_true", help="with --smoke: compile on the CPU too (slow)")
+    arg("--profile", action="store_true", help="after timing, print torch.profiler's top ops of each loop")
     arg("--out", type=Path, default=HERE / "results" / "gpu_gpt.json")
     args = parser.parse_args()
     if args.smoke:
@@ -179,6 +180,17 @@ def main() -> None:
         for name in ("raw", "unison") if index % 2 == 0 else ("unison", "raw"):
             for _ in range(args.steps_per_round):
                 run(name, timed=True)
+
+    if args.profile:  # where the time of each loop goes: the ops on the host, and on the device
+        for name in loops:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            activities += [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+            with torch.profiler.profile(activities=activities) as profile:
+                for _ in range(3):
+                    run(name, timed=False)
+            for key in ("self_cpu_time_total", *(("self_cuda_time_total",) if cuda else ())):
+                print(f"--- {name}: 3 steps, by {key}")
+                print(profile.key_averages().table(sort_by=key, row_limit=12, max_name_column_width=50))
 
     tokens_per_step = B * T * accum
     rate = {name: tokens_per_step / statistics.median(s) for name, s in seconds.items()}

@@ -57,8 +57,10 @@ fi
 part "4 plan --measure" 90 python3 -m unison plan "${plan[@]}" --devices 1 --device h100 \
   --precision bf16-mixed --measure 3 --measure-steps 3
 part "2 GPT-2 124M, bf16, eager: unison vs raw" 60 \
-  python3 benchmarks/gpu_gpt.py $smoke --no-compile --rounds 6 --out "$out/gpu_gpt_eager.json"
+  python3 benchmarks/gpu_gpt.py $smoke --no-compile --rounds 6 --profile --out "$out/gpu_gpt_eager.json"
 part "3 ZeRO-3 + offload vs on the device" 90 python3 benchmarks/gpu_memory.py offload $smoke --out "$out/gpu_memory.json"
+part "3 ZeRO-2/3 + offload on one process: the suite's checks" 60 \
+  python3 tests/workers/offload_one_process_worker.py "$out/offload_checks.json" ${smoke:---gpu}
 part "3 meta init over half the device, ZeRO-3 + offload" 150 \
   python3 benchmarks/gpu_memory.py meta $smoke --out "$out/gpu_memory.json"
 echo "=== done at $((SECONDS - start)) s" | tee -a "$log"
