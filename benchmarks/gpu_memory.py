@@ -239,21 +239,33 @@ def meta(args: argparse.Namespace) -> dict:
     config = GPTConfig(
         block_size=256, vocab_size=50304, n_layer=layers, n_head=32 if width == 4096 else 4, n_embd=width
     )
+    import logging
+
+    began = time.perf_counter()
+    logging.basicConfig(level=logging.INFO, format="%(relativeCreated)8.0f ms %(name)s: %(message)s")
+
+    def phase(what: str) -> None:  # where the time goes, printed as it happens (a killed run still tells)
+        print(f"  [{time.perf_counter() - began:7.1f} s] {what}", flush=True)
+
     accelerator = Accelerator(mixed_precision="bf16", parallelism="zero3,offload=true")
+    phase(f"building {layers} blocks x {width} on meta")
     with unison.init_empty_weights():
         torch.manual_seed(0)
         model = GPT(config)
     parameter_bytes = sum(p.numel() * 4 for p in model.parameters())
     reset_peak()
+    phase(f"built ({parameter_bytes / GIB:.1f} GiB of fp32 parameters); prepare()")
     start = time.perf_counter()
     model = accelerator.prepare(model)
     prepare_s = time.perf_counter() - start
     prepare_peak = peak()
+    phase("prepared; one forward")
     inputs, targets = batch_of(config, 1)
     reset_peak()
     with torch.no_grad():
         loss = model(inputs, targets)[1].item()
     forward_peak = peak()
+    phase("forward done")
     host_peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     figures = {
         "layers": layers,

@@ -61,6 +61,6 @@ part "2 GPT-2 124M, bf16, eager: unison vs raw" 60 \
 part "3 ZeRO-3 + offload vs on the device" 90 python3 benchmarks/gpu_memory.py offload $smoke --out "$out/gpu_memory.json"
 part "3 ZeRO-2/3 + offload on one process: the suite's checks" 60 \
   python3 tests/workers/offload_one_process_worker.py "$out/offload_checks.json" ${smoke:---gpu}
-part "3 meta init over half the device, ZeRO-3 + offload" 150 \
-  python3 benchmarks/gpu_memory.py meta $smoke --out "$out/gpu_memory.json"
+part "3 meta init over half the device, ZeRO-3 + offload" 250 \
+  python3 benchmarks/gpu_memory.py meta $smoke --meta-share 0.51 --out "$out/gpu_memory.json"
 echo "=== done at $((SECONDS - start)) s" | tee -a "$log"
