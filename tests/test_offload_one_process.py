@@ -73,6 +73,15 @@ def test_offload_on_one_process_materialises_a_meta_model_as_built_normally(repo
 
 
 @pytest.mark.parametrize("spec", LAYOUTS)
+def test_offload_on_one_process_runs_a_meta_models_init_once_in_place(report, spec):
+    """The process holds every tensor whole: the replay's one pass writes into them, each init call
+    once (the dry pass and the per-group pass ran each twice), with GPT's tie as the normal build."""
+    run = report[spec]
+    assert run["meta_tied_init_calls"] == 1, run
+    assert run["meta_tied_diff"] == 0.0 and run["meta_tied_kept"], run
+
+
+@pytest.mark.parametrize("spec", LAYOUTS)
 def test_offload_on_one_process_keeps_the_stage_and_a_one_rank_dp_shard(spec):
     asked = ParallelismConfig.from_string(spec)
     resolved = asked.validate(1)

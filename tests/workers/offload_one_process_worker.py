@@ -8,7 +8,9 @@ DTensors over a one-rank "dp_shard" mesh with FSDP2's CPUOffloadPolicy; save_sta
 SAVE_AT optimizer steps, then a fresh model, optimizer and scheduler load it and finish the run (bit-
 identical to the uninterrupted one); save_model writes the user's names; a model built inside
 unison.init_empty_weights() and prepared gets the weights of the model built normally with the same
-seed; and the "runs unsharded" note is not logged. Writes a JSON report to the first argument.
+seed; so does one with GPT's tied embedding and an `_init_weights`, whose init ran once (this process
+holds every tensor whole, so the replay writes into them in one pass: no dry pass); and the "runs
+unsharded" note is not logged. Writes a JSON report to the first argument.
 With --gpu (a device check by hand, not run by the tests) it runs on the GPU instead of the CPU.
 """
 
@@ -52,6 +54,37 @@ class Model(torch.nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(x)
+
+
+class CountedLinear(torch.nn.Linear):
+    """A Linear that counts its reset_parameters() calls (the init calls a replay makes)."""
+
+    calls = 0
+
+    def reset_parameters(self) -> None:
+        CountedLinear.calls += 1
+        super().reset_parameters()
+
+
+class Tied(torch.nn.Module):
+    """GPT's shape of init: the embedding takes the output layer's weight after both drew their own,
+    then the root's `_init_weights(module)` over every module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.wte = torch.nn.Embedding(16, 8)
+        self.block = Block()
+        self.norm = torch.nn.LayerNorm(8)
+        self.lm_head = CountedLinear(8, 16, bias=False)
+        self.wte.weight = self.lm_head.weight
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: torch.nn.Module) -> None:
+        if isinstance(module, torch.nn.Linear):
+            torch.nn.init.normal_(module.weight, std=0.02)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(self.block(self.wte(x))))
 
 
 def build(seed: int = SEED) -> Model:
@@ -175,6 +208,17 @@ def main() -> None:
         meta_accelerator, meta_model, *_ = new_run(layout, meta_model)
         run["meta_dtensor"] = fsdp_facts(meta_accelerator, meta_model)["all_dtensor"]
         run["meta_init_diff"] = max_diff(weights(meta_accelerator, meta_model), build().state_dict())
+
+        torch.manual_seed(SEED)
+        expected = Tied().state_dict()
+        torch.manual_seed(SEED)
+        with init_empty_weights():
+            tied = Tied()
+        CountedLinear.calls = 0  # its construction on meta called it once, as the normal build did
+        tied_accelerator, tied, *_ = new_run(layout, tied)
+        run["meta_tied_init_calls"] = CountedLinear.calls
+        run["meta_tied_diff"] = max_diff(weights(tied_accelerator, tied), expected)
+        run["meta_tied_kept"] = tied.wte.weight is tied.lm_head.weight
         run["notes"] = list(notes.lines)
         report[layout] = run
     Path(sys.argv[1]).write_text(json.dumps(report, indent=1))

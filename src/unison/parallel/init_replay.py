@@ -23,7 +23,12 @@ without it, from the current state):
 
 Every rank makes the same draws, so every value is the normal build's whatever the layout, and no
 rank holds more than its shards and one group of full tensors (the largest module, not the model).
-Each call runs twice: the init's compute is doubled, on the CPU of every rank. A weight tied after
+Each call runs twice: the init's compute is doubled, on the CPU of every rank.
+
+A process that holds every tensor whole in host memory (one process: its shards are the full tensors,
+as under ZeRO-2/3 with offload=true; or DDP on the CPU) has no part to cut out: the calls run once, in
+order, each on its module's tensors bound to this process's own (`held`), so the init writes in place,
+as a normal build's does, and nothing is allocated beyond the model. A weight tied after
 construction (GPT's `wte.weight = lm_head.weight`) is what the normal build made it: the
 `reset_parameters()` of the module that took another's tensor draws into a tensor of its own, dropped.
 The CPU generator is put back where the caller left it.
@@ -32,7 +37,8 @@ The replay needs each call to touch only the tensors of the module it is called 
 Linear, Embedding, LayerNorm, convolutions and of nanoGPT-style `_init_weights`). A call that reaches
 another module's tensors (they are on meta during the dry pass), or a root `init_weights()` (one call
 over the whole model: torchtitan's and Hugging Face's), cannot be replayed a module at a time; for
-those `replay_init` says why and changes nothing.
+those `replay_init` says why and places nothing (in the single pass, what ran has already written
+into the held tensors; the caller's fallback fills them again).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -278,10 +284,13 @@ def _full(slot: _Slot) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def _allocated(slots: list[_Slot], apart: Collection[str] = ()) -> Iterator[dict[int, torch.Tensor]]:
-    """The slots' tensors full size on the CPU, NaN-filled (a tied one once), put in place of the meta
-    ones for the block; what they held back afterwards, so the full ones can be freed. A slot named in
-    `apart` gets a tensor of its own, not returned (drawn into and dropped)."""
+def _allocated(
+    slots: list[_Slot], apart: Collection[str] = (), bound: Mapping[int, torch.Tensor] | None = None
+) -> Iterator[dict[int, torch.Tensor]]:
+    """The slots' tensors, put in place of the meta ones for the block: `bound`'s (by the id of the
+    meta tensor), else full size on the CPU, NaN-filled (a tied one once); what they held back
+    afterwards, so the full ones can be freed. A slot named in `apart` gets a tensor of its own, not
+    returned (drawn into and dropped)."""
     fresh: dict[int, torch.Tensor] = {}
     held = [getattr(slot.module, slot.name) for slot in slots]
     for slot in slots:
@@ -290,7 +299,8 @@ def _allocated(slots: list[_Slot], apart: Collection[str] = ()) -> Iterator[dict
         else:
             tensor = fresh.get(id(slot.meta))
             if tensor is None:
-                tensor = fresh[id(slot.meta)] = _full(slot)
+                tensor = bound[id(slot.meta)] if bound is not None else _full(slot)
+                fresh[id(slot.meta)] = tensor
         setattr(slot.module, slot.name, tensor)
     try:
         yield fresh
@@ -299,13 +309,41 @@ def _allocated(slots: list[_Slot], apart: Collection[str] = ()) -> Iterator[dict
             setattr(slot.module, slot.name, tensor)
 
 
+def _bound(
+    groups: list[list[_Slot]], names: dict[int, list[str]], held: Mapping[str, torch.Tensor]
+) -> tuple[dict[int, torch.Tensor], dict[int, torch.Tensor]] | None:
+    """For each meta tensor of the template (by id): the tensor to bind in its slots, a Parameter
+    sharing the storage of this process's own where the slot is a parameter's, and that own tensor.
+    None unless `held` has every tensor whole in host memory, a tied one as one tensor."""
+    bound: dict[int, torch.Tensor] = {}
+    targets: dict[int, torch.Tensor] = {}
+    for slot in itertools.chain.from_iterable(groups):
+        key = id(slot.meta)
+        if key in targets:
+            continue
+        mine = {id(held[n]): held[n] for n in names[key] if n in held}
+        if len(mine) != 1 or len(names[key]) != sum(n in held for n in names[key]):
+            return None  # a name this process lacks (a pipeline stage's), or a tie it does not keep
+        (target,) = mine.values()
+        if target.device.type != "cpu" or target.shape != slot.meta.shape or target.dtype != slot.meta.dtype:
+            return None  # a shard of the tensor, or on a device whose generator is not the CPU's
+        targets[key] = target
+        plain = target.detach()
+        bound[key] = nn.Parameter(plain, requires_grad=slot.meta.requires_grad) if slot.is_param else plain
+    return bound, targets
+
+
 def replay_init(
-    replay: Replay, place: Callable[[list[str], torch.Tensor], None]
+    replay: Replay,
+    place: Callable[[list[str], torch.Tensor], None],
+    held: Mapping[str, torch.Tensor] | None = None,
 ) -> tuple[str | None, list[str]]:
     """Replay the init of `replay.template` (see the module docstring) from the CPU generator state
-    `replay.start` (the current one when None), handing each full tensor with all its names to `place`.
-    The CPU generator is left as it was. Returns (why the init cannot be replayed, or None; the names
-    of the tensors the init left unset). When it cannot, nothing has been placed."""
+    `replay.start` (the current one when None), handing each full tensor with all its names to `place`;
+    or, when `held` (this process's tensors by name, a DTensor's local part) has every tensor whole in
+    host memory, in one pass writing into those. The CPU generator is left as it was. Returns (why the
+    init cannot be replayed, or None; the names of the tensors the init left unset). When it cannot,
+    nothing has been placed."""
     template = replay.template
     calls = _calls(template, replay.constructed)
     if calls is None:
@@ -317,6 +355,7 @@ def replay_init(
     ):
         names.setdefault(id(tensor), []).append(name)
     module_names = {id(m): n for n, m in template.named_modules(remove_duplicate=False)}
+    in_place = _bound(groups, names, held) if held is not None else None
 
     def borrowed(call: _Call) -> list[_Slot]:  # what a constructing call drew into and lost to a tie
         if not call.constructing or id(call.module) not in group_of:
@@ -330,12 +369,16 @@ def replay_init(
             torch.set_rng_state(replay.start)
         states = []
         with torch.no_grad():
-            for call in calls:  # the dry pass: the generator's state before each call
+            if in_place is not None:
+                for target in in_place[1].values():
+                    fill_unset(target)
+            # the dry pass (or, in place, the only one): the generator's state before each call
+            for call in calls:
                 states.append(torch.get_rng_state())
                 group = groups[group_of[id(call.module)]] if id(call.module) in group_of else []
                 apart = borrowed(call)
                 with (
-                    _allocated(group),
+                    _allocated(group, bound=in_place[0] if in_place is not None else None),
                     _allocated(apart, {s.qualified for s in apart}),
                     _MetaWatch() as watch,
                 ):
@@ -346,6 +389,8 @@ def replay_init(
                     return f"the init called on {where} ({kind}) reaches other modules' tensors", []
             if replay.ends is not None:  # the next model built in the block starts here
                 replay.ends[0][replay.ends[1]] = torch.get_rng_state()
+            if in_place is not None:
+                return None, _written(*in_place, names)
             unset: list[str] = []
             for index, group in enumerate(groups):
                 with _allocated(group) as fresh:
@@ -366,6 +411,20 @@ def replay_init(
     return None, unset
 
 
+def _written(
+    bound: dict[int, torch.Tensor], targets: dict[int, torch.Tensor], names: dict[int, list[str]]
+) -> list[str]:
+    """After the pass in place: the names of the tensors it left unset. An init that gave a parameter
+    new storage (`weight.data = ...`) wrote there, not into this process's tensor: copied over."""
+    unset: list[str] = []
+    for key, target in targets.items():
+        if bound[key].data_ptr() != target.data_ptr():
+            target.copy_(bound[key])
+        if is_unset(target):
+            unset.extend(names[key][:1])
+    return unset
+
+
 def fill_unset(tensor: torch.Tensor) -> None:
     """NaN (or the integer minimum) in every element: a tensor no init reaches is then found."""
     if tensor.is_floating_point() or tensor.is_complex():
@@ -378,7 +437,9 @@ def is_unset(tensor: torch.Tensor) -> bool:
     """Whether `tensor` still holds what fill_unset wrote (a NaN, or all integer minimum)."""
     if tensor.numel() == 0:
         return False
-    if tensor.is_floating_point() or tensor.is_complex():
+    if tensor.is_floating_point():  # amax propagates NaN: one reduction, no mask of the tensor's size
+        return bool(torch.isnan(tensor.amax()))
+    if tensor.is_complex():
         return bool(torch.isnan(tensor).any())
     if tensor.dtype == torch.bool:
         return False

@@ -10,9 +10,11 @@ and Accelerate do. Two sources of values, chosen by where the model's parameters
 - "init": every process built the model on meta. The values are the model's own init, replayed as
   the normal build ran it (unison/parallel/init_replay.py): every process draws every tensor in full,
   one module (or group of tied modules) at a time, from the CPU generator's state when the model was
-  built, and keeps its part; so the values do not depend on the world size or the layout, and a model
-  whose init is its modules' reset_parameters() (and the root's `_init_weights(module)`, nanoGPT's
-  and Hugging Face's convention) gets the very values of the model built normally with the same seed.
+  built, and keeps its part (a process holding every tensor whole in host memory, as one process does,
+  runs each call once, writing into its own tensors); so the values do not depend on the world size or
+  the layout, and a model whose init is its modules' reset_parameters() (and the root's
+  `_init_weights(module)`, nanoGPT's and Hugging Face's convention) gets the very values of the model
+  built normally with the same seed.
   The CPU generator is left where the user's code left it. A model whose init cannot be replayed a
   module at a time (a root `init_weights()`, torchtitan's and Hugging Face's name, or an init that
   reaches other modules' tensors) is filled as before, with a warning: the init run on this
@@ -159,8 +161,6 @@ class DeferredModel:
             # shards materialised on a GPU ("FSDP parameters should be materialized on CPU"): there, a
             # model bigger than the GPU fits; the buffers go to the device, where forward uses them.
             model.to_empty(device=torch.device("cpu") if self.offload else self.device)
-        if self.offload:
-            _buffers_to(model, self.device)
         module = unwrap(model)
         buffers = dict(module.named_buffers(remove_duplicate=False))  # a pipeline stage: its own only
         with torch.no_grad():
@@ -171,6 +171,8 @@ class DeferredModel:
             self._load(module)
         else:
             self._init(module)
+        if self.offload:  # filled in host memory first: the init then runs once, in place (_init)
+            _buffers_to(model, self.device)
         if self.tp_mesh is not None:  # hooks registered on meta went with the meta storage (tensor.py)
             from .tensor import keep_gradients_in_parameter_layout
 
@@ -217,7 +219,10 @@ class DeferredModel:
                 for target in {id(local[n]): local[n] for n in names if n in local}.values():
                     _copy_part(in_stored_layout(target, full), target)
 
-            why, left = replay_init(self.replay, place)
+            # a process holding every tensor whole on the CPU runs the init once, in place; a fused
+            # projection's permuted rows (parallel/fused.py) exist under tensor parallel only
+            held = _held_locally(local) if self.tp_mesh is None else None
+            why, left = replay_init(self.replay, place, held)
             if why is None:
                 if self.replay.caveat:
                     logger.warning(self.replay.caveat)
@@ -262,6 +267,16 @@ class DeferredModel:
         for params, group in getattr(module, "_tie_groups", ()):
             for param in params:
                 dist.broadcast(_local(param).detach(), src=dist.get_global_rank(group, 0), group=group)
+
+
+def _held_locally(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """This process's part of each tensor by name (a DTensor's local tensor), one object per tensor
+    held under several names (a tied weight)."""
+    parts: dict[int, torch.Tensor] = {}
+    for tensor in tensors.values():
+        if id(tensor) not in parts:
+            parts[id(tensor)] = _local(tensor)
+    return {name: parts[id(tensor)] for name, tensor in tensors.items()}
 
 
 def _buffers_to(model: nn.Module, device: torch.device) -> None:
