@@ -46,3 +46,12 @@ def test_gpu_benchmark_smoke_run_on_cpu():
     assert result.returncode == 0, result.stdout + result.stderr
     assert "unison / raw" in result.stdout, result.stdout
     assert "largest loss difference 0.00e+00" in result.stdout, result.stdout  # fp32: the same arithmetic
+
+
+@pytest.mark.timeout(120)
+def test_gpu_watchdog_benchmark_smoke_run_on_cpu():
+    command = [sys.executable, str(BENCHMARKS / "gpu_watchdog.py"), "--smoke"]
+    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "on / off" in result.stdout, result.stdout
+    assert "watchdog thread alive at the end of 4 of 4 rounds" in result.stdout, result.stdout
