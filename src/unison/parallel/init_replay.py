@@ -368,15 +368,17 @@ def replay_init(
         if replay.start is not None:
             torch.set_rng_state(replay.start)
         states = []
+        filled: set[int] = set()  # in place: the tensors NaN-filled so far, each when first bound
         with torch.no_grad():
-            if in_place is not None:
-                for target in in_place[1].values():
-                    fill_unset(target)
             # the dry pass (or, in place, the only one): the generator's state before each call
             for call in calls:
                 states.append(torch.get_rng_state())
                 group = groups[group_of[id(call.module)]] if id(call.module) in group_of else []
                 apart = borrowed(call)
+                if in_place is not None:  # filled as late as a normal build allocates: the same peak
+                    for key in {id(s.meta) for s in group} - filled:
+                        fill_unset(in_place[1][key])
+                        filled.add(key)
                 with (
                     _allocated(group, bound=in_place[0] if in_place is not None else None),
                     _allocated(apart, {s.qualified for s in apart}),
@@ -390,7 +392,7 @@ def replay_init(
             if replay.ends is not None:  # the next model built in the block starts here
                 replay.ends[0][replay.ends[1]] = torch.get_rng_state()
             if in_place is not None:
-                return None, _written(*in_place, names)
+                return None, _written(*in_place, names, filled)
             unset: list[str] = []
             for index, group in enumerate(groups):
                 with _allocated(group) as fresh:
@@ -412,15 +414,19 @@ def replay_init(
 
 
 def _written(
-    bound: dict[int, torch.Tensor], targets: dict[int, torch.Tensor], names: dict[int, list[str]]
+    bound: dict[int, torch.Tensor],
+    targets: dict[int, torch.Tensor],
+    names: dict[int, list[str]],
+    filled: set[int],
 ) -> list[str]:
-    """After the pass in place: the names of the tensors it left unset. An init that gave a parameter
-    new storage (`weight.data = ...`) wrote there, not into this process's tensor: copied over."""
+    """After the pass in place: the names of the tensors it left unset (no call bound them, or NaN is
+    left). An init that gave a parameter new storage (`weight.data = ...`) wrote there, not into this
+    process's tensor: copied over."""
     unset: list[str] = []
     for key, target in targets.items():
-        if bound[key].data_ptr() != target.data_ptr():
+        if key in filled and bound[key].data_ptr() != target.data_ptr():
             target.copy_(bound[key])
-        if is_unset(target):
+        if key not in filled or is_unset(target):
             unset.extend(names[key][:1])
     return unset
 
