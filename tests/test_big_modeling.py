@@ -147,6 +147,30 @@ def test_the_replay_follows_the_order_modules_were_built_in_not_registered_in():
         assert torch.equal(tensor, expected[name]), name
 
 
+class NewStorage(torch.nn.Module):
+    """An init that gives its parameter new storage (`weight.data = ...`) instead of filling it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+        self.weight = torch.nn.Parameter(torch.empty(4, 4))
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        self.weight.data = torch.randn(4, 4)
+
+
+def test_an_init_that_replaces_a_parameters_storage_gives_the_normal_builds_values():
+    accelerator = Accelerator(cpu=True)  # one process: the replay runs in place, on the model's own tensors
+    torch.manual_seed(7)
+    expected = NewStorage().state_dict()
+    torch.manual_seed(7)
+    with init_empty_weights():
+        model = NewStorage()
+    for name, tensor in accelerator.prepare(model).state_dict().items():
+        assert torch.equal(tensor, expected[name]), name
+
+
 class ResetsItsChild(torch.nn.Module):
     """An init that reaches another module's tensors: not replayable one module at a time."""
 

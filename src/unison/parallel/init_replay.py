@@ -343,7 +343,8 @@ def replay_init(
     or, when `held` (this process's tensors by name, a DTensor's local part) has every tensor whole in
     host memory, in one pass writing into those. The CPU generator is left as it was. Returns (why the
     init cannot be replayed, or None; the names of the tensors the init left unset). When it cannot,
-    nothing has been placed."""
+    nothing has been placed (in place, what ran before the call that could not be replayed has written
+    into `held`: the caller fills it again)."""
     template = replay.template
     calls = _calls(template, replay.constructed)
     if calls is None:
