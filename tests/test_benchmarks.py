@@ -39,19 +39,23 @@ def test_strategies_versus_raw_torch_computes_the_same_losses(tmp_path):
         assert row["last_loss"] < row["first_loss"], (layout, row)  # both trained, 4 steps each
 
 
-@pytest.mark.timeout(120)
-def test_gpu_benchmark_smoke_run_on_cpu():
-    command = [sys.executable, str(BENCHMARKS / "gpu_gpt.py"), "--smoke"]
+def _smoke_run(script: str) -> str:
+    """`script --smoke` on the CPU (the configuration that checks a GPU benchmark runs); its stdout."""
+    command = [sys.executable, str(BENCHMARKS / script), "--smoke"]
     result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "unison / raw" in result.stdout, result.stdout
-    assert "largest loss difference 0.00e+00" in result.stdout, result.stdout  # fp32: the same arithmetic
+    return result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_gpu_benchmark_smoke_run_on_cpu():
+    out = _smoke_run("gpu_gpt.py")
+    assert "unison / raw" in out, out
+    assert "largest loss difference 0.00e+00" in out, out  # fp32: the same arithmetic
 
 
 @pytest.mark.timeout(120)
 def test_gpu_watchdog_benchmark_smoke_run_on_cpu():
-    command = [sys.executable, str(BENCHMARKS / "gpu_watchdog.py"), "--smoke"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "on / off" in result.stdout, result.stdout
-    assert "watchdog thread alive at the end of 4 of 4 rounds" in result.stdout, result.stdout
+    out = _smoke_run("gpu_watchdog.py")
+    assert "on / off" in out, out
+    assert "watchdog thread alive at the end of 4 of 4 rounds" in out, out

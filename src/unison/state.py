@@ -169,7 +169,7 @@ def _end_with_the_launcher() -> None:
         os._exit(1)
 
 
-def _import_group_defaults_before_the_group() -> None:
+def import_group_defaults_before_the_group() -> None:
     """Import torch.distributed.nn.functional while no process group exists (12 ms here).
 
     Its functions take `group=group.WORLD` as default arguments, evaluated at import. torch imports it
@@ -186,7 +186,7 @@ def _import_group_defaults_before_the_group() -> None:
     import torch.distributed.nn.functional  # noqa: F401
 
 
-def _destroy_process_group() -> None:
+def destroy_process_group_at_exit() -> None:
     """At exit, while the interpreter is whole: free what still holds communication state, then the groups.
 
     Models, FSDP2 states and pipeline schedules left in reference cycles would otherwise be freed by
@@ -270,7 +270,7 @@ class PartialState:
             kwargs["device_id"] = self.device
         if self.debug:
             dist.set_debug_level(dist.DebugLevel.DETAIL)  # torch checks every collective across ranks
-        _import_group_defaults_before_the_group()
+        import_group_defaults_before_the_group()
         os.environ.update(_socket_interface(layout))
         first_step = (
             self.timeout if self._timeout_requested else timedelta(seconds=DEFAULT_FIRST_STEP_TIMEOUT_SECONDS)
@@ -293,7 +293,8 @@ class PartialState:
             first_timeout=first_step.total_seconds(),
         )
         watchdog.start()
-        atexit.register(_destroy_process_group)  # runs before the watchdog's exit note (last in, first out)
+        # runs before the watchdog's exit note (atexit: last in, first out)
+        atexit.register(destroy_process_group_at_exit)
         end_fast_on_uncaught_error(str(layout.rank), watchdog)
 
     def _check_compatible(self, cpu: bool | None, timeout: float | timedelta | None) -> None:

@@ -13,7 +13,7 @@ import atexit
 
 import torch.distributed as dist
 
-from ..state import PartialState, _destroy_process_group, _import_group_defaults_before_the_group
+from ..state import PartialState, destroy_process_group_at_exit, import_group_defaults_before_the_group
 
 
 def form_one_process_group() -> None:
@@ -26,6 +26,6 @@ def form_one_process_group() -> None:
         # gloo beside NCCL for the CPU tensors of offloaded shards (the gradient norm of clipping is a
         # collective over them), as torchtitan forms its group under CPU offload
         backend, kwargs = "cuda:nccl,cpu:gloo", {"device_id": state.device}
-    _import_group_defaults_before_the_group()  # see state.py: else the group outlives destroy at exit
+    import_group_defaults_before_the_group()  # see state.py: else the group outlives destroy at exit
     dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, **kwargs)
-    atexit.register(_destroy_process_group)
+    atexit.register(destroy_process_group_at_exit)
