@@ -10,10 +10,17 @@ where the uninterrupted run did (SGD+momentum, so the momentum buffers crossed t
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+
 import pytest
 import torch
 from launching import WORKERS, launch_ok
+from safetensors import safe_open
 from safetensors.torch import load_file
+
+from unison.checkpoint.export import export_checkpoint
 
 WORKER = WORKERS / "layout_checkpoint_worker.py"
 pytestmark = pytest.mark.timeout(600)
@@ -86,3 +93,52 @@ def test_save_model_writes_the_consolidated_weights_from_a_sharded_or_split_layo
             assert torch.equal(weights[value_name], value)
         else:
             assert torch.equal(weights[key], value), key
+
+
+@pytest.mark.parametrize("layout", ["zero3", "pp_size=2", "tp_size=2"])
+def test_export_writes_on_one_process_the_file_save_model_wrote_in_the_run(saved, layout, tmp_path):
+    """`unison export` reads the 2-process checkpoint alone (no group, no model class): the same names, the
+    tied embedding once (the pipeline held a copy on each stage, DCP stored both), the same tensors."""
+    result = export_checkpoint(saved[layout] / "checkpoint", tmp_path)
+    assert result.weights == tmp_path / "model.safetensors" and result.config is None  # no HF config
+    in_run = saved[layout] / "weights" / "model.safetensors"
+    exported, written = load_file(result.weights), load_file(in_run)
+    assert sorted(exported) == sorted(written)
+    assert all(torch.equal(exported[key], written[key]) for key in written)
+    with safe_open(result.weights, "pt") as a, safe_open(in_run, "pt") as b:
+        assert a.metadata() == b.metadata()  # which tied name was dropped, as save_model records it
+    assert result.names == result.tensors + 1  # lm_head.weight is transformer.wte.weight
+
+
+def test_the_export_command_writes_bf16_shards_under_accelerates_name(saved, tmp_path):
+    """`unison merge-weights` (Accelerate's spelling) with --dtype bf16 and a shard size: an index and its
+    shards, every weight in bf16, the tied one once; a wrong path is one line naming it, exit 1."""
+    result = subprocess.run(
+        [sys.executable, "-m", "unison", "merge-weights", saved["tp_size=2"] / "checkpoint", tmp_path / "out"]
+        + ["--dtype", "bf16", "--max-shard-size", "20KB"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) >= 2 and files[-1] == f"model-{len(files):05d}-of-{len(files):05d}.safetensors"
+    weights = {}
+    for name in files:
+        weights.update(load_file(tmp_path / "out" / name))
+    at_save = torch.load(saved["tp_size=2"] / "at_save.pt")
+    assert sorted(weights) == sorted(set(at_save) - {"lm_head.weight"})  # re-tied by the model on load
+    for key, tensor in weights.items():
+        assert tensor.dtype == torch.bfloat16 and torch.equal(tensor, at_save[key].to(torch.bfloat16)), key
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in weights.values())
+    index_path = tmp_path / "out" / "model.safetensors.index.json"
+    assert f"wrote {index_path}: {len(weights)} tensors" in result.stdout, result.stdout
+    missing = subprocess.run(
+        [sys.executable, "-m", "unison", "export", tmp_path / "nothing", tmp_path / "out2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing.stderr
+    assert f"no checkpoint at {tmp_path / 'nothing'}" in missing.stderr

@@ -21,6 +21,7 @@ transformers = pytest.importorskip("transformers")
 
 from hf_llama_worker import make_llama  # noqa: E402  (needs transformers)
 
+from unison.checkpoint.export import export_checkpoint  # noqa: E402
 from unison.parallel.pipeline import split_model  # noqa: E402
 from unison.parallel.tensor import tensor_parallel_plan  # noqa: E402
 
@@ -37,6 +38,8 @@ def reports(tmp_path_factory):
         out = tmp_path_factory.mktemp(f"llama{world}") / "report.json"
         launch_ok(WORKERS / "hf_llama_worker.py", world, out, *layouts, timeout=600)
         found.update(json.loads(out.read_text())["layouts"])
+        for layout in layouts:  # where the worker saved each run (hf_llama_worker's docstring)
+            found[layout]["saved"] = out.parent / layout.replace(",", "+").replace("=", "")
     return found
 
 
@@ -47,6 +50,28 @@ def test_llama_trains_to_the_single_process_parameters(reports, layout):
     assert run["max_abs_diff"] < 1e-5, run  # SGD+momentum, 3 steps, accumulation 2
     assert run["loss_diff"] < 1e-5 and run["eval_loss_diff"] < 1e-5, run
     assert (run["engine"] == "PipelineModel") == ("pp_size" in layout), run
+
+
+@pytest.mark.parametrize("layout", [layout for layouts in LAYOUTS.values() for layout in layouts])
+def test_an_exported_checkpoint_loads_in_transformers_with_the_trained_logits(reports, layout, tmp_path):
+    """`unison export` on one process, from each layout's save_state: from_pretrained(OUT_DIR) builds the
+    model (config.json written beside the weights), with the logits of the weights the run trained."""
+    saved = reports[layout]["saved"]
+    result = export_checkpoint(saved / "checkpoint", tmp_path, max_shard_size="200KB")
+    # about 0.6 MB of fp32 weights: shards of at most 200 KB and their index, as Hugging Face writes them
+    assert result.weights == tmp_path / "model.safetensors.index.json", result
+    assert len(set(json.loads(result.weights.read_text())["weight_map"].values())) >= 3
+    assert result.config == tmp_path / "config.json"
+    exported = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert type(exported).__name__ == "LlamaForCausalLM"
+    trained = make_llama()
+    trained.load_state_dict(torch.load(saved / "trained.pt"))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(exported(ids).logits, trained(ids).logits)
+    untrained = make_llama()
+    with torch.no_grad():  # and the run did train: not the weights of a fresh build
+        assert not torch.allclose(exported(ids).logits, untrained(ids).logits)
 
 
 def chained(model, pp_size, schedule, inputs):

@@ -9,6 +9,9 @@ sequences with 2 accumulation micro-steps through `accelerator.forward_backward`
 runs pipelines) and compares `accelerator.get_state_dict` with the same model trained in this process
 on each step's whole batch; also the loss every rank gets back and a forward-only loss.
 
+Each layout's trained run is saved (save_state) to REPORT_DIR/LAYOUT/checkpoint, and its consolidated
+weights to REPORT_DIR/LAYOUT/trained.pt (LAYOUT without "=", "," as "+"), for the export test.
+
 argv[1]: JSON report path (written by process 0); argv[2:]: layouts (`parallelism=` strings).
 """
 
@@ -88,7 +91,7 @@ def reference() -> dict:
     return _REFERENCE
 
 
-def train(layout: str) -> dict:
+def train(layout: str, out_dir: Path) -> dict:
     accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=ACCUMULATION)
     model = make_llama()
     optimizer = make_optimizer("sgd", model.parameters())
@@ -111,6 +114,11 @@ def train(layout: str) -> dict:
     eval_loss = accelerator.forward_loss(model, (ids[rows], mask[rows]), targets[rows], loss_fn)
     eval_loss = accelerator.reduce(eval_loss, "mean").item()
     full = accelerator.get_state_dict(model)
+    # for test_pipeline_llama's export test: the checkpoint, and the trained weights it must give back
+    saved_as = out_dir / layout.replace(",", "+").replace("=", "")
+    accelerator.save_state(saved_as / "checkpoint")
+    if accelerator.is_main_process:
+        torch.save(full, saved_as / "trained.pt")
     expected = reference()
     result = {
         "engine": type(model).__name__,
@@ -127,7 +135,7 @@ def train(layout: str) -> dict:
 def main() -> None:
     out, layouts = Path(sys.argv[1]), sys.argv[2:]
     state = PartialState(cpu=True)
-    report = {layout: train(layout) for layout in layouts}
+    report = {layout: train(layout, out.parent) for layout in layouts}
     if state.is_main_process:
         out.write_text(json.dumps({"world": state.num_processes, "layouts": report}))
 

@@ -29,6 +29,7 @@ import contextlib
 import hashlib
 import pickle
 import sys
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -410,6 +411,25 @@ def read_model_state(
     _dcp_load(state, directory, planner)
     for key in planner.missing:  # not in the checkpoint: DCP left the empty tensor, not to be applied
         del state[key]
+    return state
+
+
+def read_full_model_state(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a DCP model part, whole, on this one process: no process group and no model (the
+    sizes and dtypes come from the part's metadata). What `unison export` writes out."""
+    metadata = SafeFileSystemReader(directory).read_metadata()
+    state = {
+        key: torch.empty(item.size, dtype=item.properties.dtype)
+        for key, item in metadata.state_dict_metadata.items()
+        if isinstance(item, TensorStorageMetadata)
+    }
+    reader, planner = SafeFileSystemReader(directory), SafeLoadPlanner()
+    try:
+        with warnings.catch_warnings():  # no_dist=True says so; torch warns that it assumes it all the same
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=reader, planner=planner, no_dist=True)
+    except (Exception, CheckpointException) as error:  # CheckpointException is a BaseException
+        raise _dcp_error(directory, error) from None
     return state
 
 

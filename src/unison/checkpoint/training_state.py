@@ -31,6 +31,7 @@ from ..parallel.ddp import unwrap
 from ..random import get_rng_state, set_rng_state
 from ..state import PartialState
 from .errors import CheckpointError, check_shapes, model_keys_error
+from .export import MODELS_KEY, describe_models
 from .global_batch import TRAINING_LOADER, resumed_global_batch, training_loader_index
 from .manifest import files_of_process, read_manifest, verify_files
 from .storage import load_object, raise_if_any_process_failed, save_object, write_checkpoint
@@ -194,6 +195,7 @@ def save_training_state(training: TrainingParts, directory: Path) -> Path:
     """
     state = PartialState()
     metadata = {"optimizer_steps": training.optimizer_steps, "world_size": state.num_processes}
+    metadata[MODELS_KEY] = describe_models(list(training.models))  # for `unison export`: ties, config
     model_parts, sharded_parts = _model_parts(training)
     with write_checkpoint(directory, metadata=metadata) as staging:
         left_to_hooks = {f"model_{i}.pt" for i in _models_saved_by_hooks(training, staging)}

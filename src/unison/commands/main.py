@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from typing import Any, NoReturn
 
 from .. import __version__
-from . import config, env, estimate_memory, launch, plan, plot
+from . import config, env, estimate_memory, export, launch, plan, plot
 
 
 class SuggestingParser(argparse.ArgumentParser):
@@ -48,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     estimate_memory.register(subcommands)
     plan.register(subcommands)
     plot.register(subcommands)
+    export.register(subcommands)
     return parser
 
 

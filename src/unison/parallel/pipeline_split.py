@@ -311,6 +311,12 @@ class _StageModule(nn.Module):
             self.add_module(name, child)
         self._output_spec: Any = None
 
+    @property
+    def root_module(self) -> nn.Module:
+        """The stage's copy of the user's root module (its class and attributes, such as a Hugging Face
+        model's `config`); it holds this stage's pieces and stand-ins for the others."""
+        return self._root.module
+
     def train(self, mode: bool = True) -> _StageModule:
         """nn.Module.train, for the copy's root too: it is not a child (see _ModelRoot), and the model's
         own forward may branch on `self.training` (eval() goes through here)."""
