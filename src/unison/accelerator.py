@@ -427,7 +427,8 @@ class Accelerator(
     clear = free_memory  # Accelerate's other name for it
 
     def end_training(self) -> None:
-        """Mark the end of the run: the trackers are closed, and every process finishes its work before
-        any goes on to exit."""
+        """Mark the end of the run: an asynchronous checkpoint in flight is finished, the trackers are
+        closed, and every process finishes its work before any goes on to exit."""
+        self.wait_for_checkpoint()
         self.finish_trackers()
         self.wait_for_everyone()

@@ -21,6 +21,7 @@ from ..parallel.ddp import wrapper_prefix
 from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
 from .training_state import TrainingParts, load_training_state, optimizer_steps, save_training_state
 from .weights import consolidated_state_dict, save_consolidated_weights, save_on_main_process
+from .writing import AsyncCheckpointWriter
 
 
 class CheckpointMethods:
@@ -105,19 +106,44 @@ class CheckpointMethods:
             )
         return self.project_configuration.checkpoints_dir
 
-    def save_state(self, output_dir: str | os.PathLike | None = None) -> Path:
+    def save_state(
+        self, output_dir: str | os.PathLike | None = None, *, async_save: bool | None = None
+    ) -> Path:
         """Save the whole training state (call on every process, at the end of an optimizer step).
 
         Without output_dir it goes to project_dir/checkpoints/checkpoint_<optimizer steps>, and the
-        oldest checkpoints beyond ProjectConfiguration.total_limit are removed.
+        oldest checkpoints beyond ProjectConfiguration.total_limit are removed once it is complete.
+
+        async_save (default: ProjectConfiguration.async_save): return once the state is copied to host
+        memory; the files, their checksums, the manifest and the rename happen in the background while
+        training goes on. The directory appears complete or not at all, as with a synchronous save; at
+        most one save is in flight (the next save, a load_state or end_training waits for it, and so does
+        the interpreter's exit). `wait_for_checkpoint()` waits explicitly. Returns the checkpoint's path
+        (which exists once it is complete).
         """
+        if async_save is None:
+            async_save = self.project_configuration.async_save
         automatic = output_dir is None
         if automatic:
             output_dir = checkpoint_path(self._checkpoints_dir("save_state"), self.optimizer_steps)
-        directory = save_training_state(self._training_parts(), Path(output_dir))
-        if automatic and self.project_configuration.total_limit is not None:
-            prune_checkpoints(directory.parent, self.project_configuration.total_limit)
-        return directory
+        limit = self.project_configuration.total_limit if automatic else None
+        writer = self._checkpoint_writer() if async_save else None
+        if writer is None:
+            self.wait_for_checkpoint()  # a synchronous save after an asynchronous one: in order
+        directory = Path(output_dir)
+        prune = None if limit is None else (lambda: prune_checkpoints(directory.parent, limit))
+        return save_training_state(self._training_parts(), directory, writer, on_complete=prune)
+
+    def wait_for_checkpoint(self) -> Path | None:
+        """Wait until no asynchronous save_state is in flight; returns the checkpoint it completed (None if
+        there was none), or raises, on every process, what made it fail (nothing was renamed into place)."""
+        writer = getattr(self, "_async_writer", None)
+        return None if writer is None else writer.wait()
+
+    def _checkpoint_writer(self) -> AsyncCheckpointWriter:
+        if getattr(self, "_async_writer", None) is None:
+            self._async_writer = AsyncCheckpointWriter()
+        return self._async_writer
 
     def load_state(
         self, input_dir: str | os.PathLike | None = None, *, missing_ok: bool = False, strict: bool = True
@@ -135,6 +161,7 @@ class CheckpointMethods:
         another number of processes (or batch size) the accumulation that keeps it is set and said in one
         line, or the checkpoint is refused before anything is applied (checkpoint/global_batch.py).
         """
+        self.wait_for_checkpoint()  # an asynchronous save in flight is the newest checkpoint
         checkpoints = self._checkpoints_dir("load_state") if input_dir is None else None
         # The main process looks at the file system and every process follows its answer: a node whose
         # view of a shared directory lags (NFS attribute caching) must not start fresh while the others

@@ -338,15 +338,31 @@ def _any_process(flag: bool) -> bool:
 # -- saving ----------------------------------------------------------------------------------------
 def save_model_state(model: nn.Module, directory: Path) -> None:
     """Write `model`'s state (its shards on each process) as a DCP directory. Collective."""
-    dcp.save(get_model_state_dict(unwrap(model)), storage_writer=FileSystemWriter(directory))
+    write_part(model_state(model), directory)
 
 
 def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Write `optimizer`'s state, keyed by `model`'s parameter names, as a DCP directory. Collective.
+    """Write `optimizer`'s state, keyed by `model`'s parameter names, as a DCP directory. Collective."""
+    write_part(optimizer_state(model, optimizer), directory)
+
+
+def write_part(state: dict[str, Any], directory: Path, group: dist.ProcessGroup | None = None) -> None:
+    """Write a part's state (this process's shards) as a DCP directory, agreeing over `group` (None: the
+    default group; an asynchronous save writes from its own thread over a group of its own). Collective."""
+    dcp.save(state, storage_writer=FileSystemWriter(directory), process_group=group)
+
+
+def model_state(model: nn.Module) -> dict[str, Any]:
+    """`model`'s state as a sharded part holds it: its parameter names, this process's shards (live)."""
+    return get_model_state_dict(unwrap(model))
+
+
+def optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """`optimizer`'s state as a sharded part holds it, keyed by `model`'s parameter names. Collective.
 
     An optimizer that has not stepped yet has hyper-parameters but no state: torch's helper would create
     state by taking a zero-learning-rate step (Adam's step counter then reads 1), so that state is
-    dropped from the live optimizer again and only the hyper-parameters are written.
+    dropped from the live optimizer again and only the hyper-parameters are kept.
     """
     local = _local_optimizer(optimizer)
     stepped = _any_process(_has_state(local))
@@ -358,7 +374,7 @@ def save_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer, dir
             state = {k: v for k, v in state.items() if not k.startswith(_OPTIMIZER_STATE_PREFIX)}
             local.state.clear()
         state = _with_tied_aliases(unwrap(model), state)
-    dcp.save(state, storage_writer=FileSystemWriter(directory))
+    return state
 
 
 def _with_tied_aliases(module: nn.Module, state: dict[str, Any]) -> dict[str, Any]:

@@ -79,6 +79,7 @@ class ProjectConfiguration:
     total_limit: int | None = None
     iteration: int = 0
     save_on_each_node: bool = False
+    async_save: bool = False  # unison's: save_state() writes in the background (docs/checkpointing.md)
     _logging_dir_given: bool = field(init=False, repr=False, compare=False, default=False)
 
     def __post_init__(self) -> None:
@@ -142,7 +143,9 @@ def _aside_path(final_dir: Path) -> Path:
     return final_dir.parent / f".{final_dir.name}.old"
 
 
-def raise_if_any_process_failed(error: Exception | None, action: str, result: Any = None) -> list[Any]:
+def raise_if_any_process_failed(
+    error: Exception | None, action: str, result: Any = None, group: Any = None
+) -> list[Any]:
     """Make one process's failure in a step of a save or load the failure of that step everywhere.
 
     Collective: every process says whether its part of `action` raised (`error`). A process whose part
@@ -153,12 +156,14 @@ def raise_if_any_process_failed(error: Exception | None, action: str, result: An
     collectives of a step: a failure inside a collective ends the run through the group's timeout.
     When no process failed, returns every process's `result` in rank order: the same all-gather brings
     the main process what each process computed (its files' checksums), with no collective of its own.
+    `group`: the process group to agree over (None: the default one; an asynchronous save's background
+    writer has a group of its own, so its collectives never pair with the training loop's).
     """
     state = PartialState()
     reports = [(None if error is None else f"{type(error).__name__}: {error}", result)]
     if state.num_processes > 1:
         everyone: list[tuple[str | None, Any] | None] = [None] * state.num_processes
-        torch.distributed.all_gather_object(everyone, reports[0])
+        torch.distributed.all_gather_object(everyone, reports[0], group=group)
         reports = everyone
     if error is not None:
         raise error
@@ -203,9 +208,22 @@ def write_checkpoint(
     main process's finish, fails), nothing is renamed: an existing checkpoint of the same name stays as
     it was, and every process raises (see `raise_if_any_process_failed`).
     """
-    state = PartialState()
     final_dir = Path(final_dir)
-    tmp_dir = temporary_path(final_dir)
+    metadata = checked_metadata(metadata)
+    tmp_dir = begin_checkpoint(final_dir)
+    block_error = None
+    try:
+        yield tmp_dir
+    except Exception as error:
+        block_error = error
+    except BaseException:  # Ctrl-C, SystemExit: the run is ending, no agreement to wait for
+        abandon_checkpoint(tmp_dir)
+        raise
+    finish_checkpoint(tmp_dir, final_dir, metadata, block_error)
+
+
+def checked_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    """`metadata` as a dict, or a CheckpointError before anything is written if JSON cannot hold it."""
     metadata = dict(metadata or {})
     try:
         json.dumps(metadata)
@@ -214,6 +232,14 @@ def write_checkpoint(
             f"checkpoint metadata {metadata!r} cannot be written to {MANIFEST_NAME}: {error}. Pass only "
             "JSON types (dict, list, str, int, float, bool, None)."
         ) from error
+    return metadata
+
+
+def begin_checkpoint(final_dir: Path) -> Path:
+    """The first phase of `write_checkpoint`, on every process: the main process creates the temporary
+    directory (removing a leftover of a killed save); returns it once every process knows it exists."""
+    state = PartialState()
+    tmp_dir = temporary_path(final_dir)
     _refuse_different_directories(final_dir, state)
     setup_error = None
     if state.is_main_process:
@@ -227,23 +253,29 @@ def write_checkpoint(
                 "can create and write (under existing directories, not under a file)."
             )
     raise_if_any_process_failed(setup_error, f"creating {final_dir}")  # also the barrier before writing
-    block_error = finish_error = None
+    return tmp_dir
+
+
+def finish_checkpoint(
+    tmp_dir: Path,
+    final_dir: Path,
+    metadata: dict[str, Any],
+    block_error: Exception | None = None,
+    group: Any = None,
+) -> None:
+    """The last phase of `write_checkpoint`, on every process once it has written its files (or failed
+    to: `block_error`): checksums, the manifest, the rename, agreed over `group` (None: the default one).
+    Raises on every process, leaving nothing renamed, if any process failed."""
+    state = PartialState()
     try:
-        yield tmp_dir
-    except Exception as error:
-        block_error = _said_if_out_of_space(error, final_dir)
-    except BaseException:  # Ctrl-C, SystemExit: the run is ending, no agreement to wait for
-        if state.is_main_process:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        raise
-    try:
-        raise_if_any_process_failed(block_error, f"saving {final_dir}")  # every process has written
-        entries = checksum_error = None
+        error = None if block_error is None else _said_if_out_of_space(block_error, final_dir)
+        raise_if_any_process_failed(error, f"saving {final_dir}", group=group)  # every process has written
+        entries = checksum_error = finish_error = None
         try:
             entries = checksum_own_files(tmp_dir, state)
         except Exception as error:
             checksum_error = _said_if_out_of_space(error, final_dir)
-        everyone = raise_if_any_process_failed(checksum_error, f"checksumming {final_dir}", entries)
+        everyone = raise_if_any_process_failed(checksum_error, f"checksumming {final_dir}", entries, group)
         if state.is_main_process:
             try:
                 files = {name: entry for entries in everyone for name, entry in entries.items()}
@@ -257,11 +289,16 @@ def write_checkpoint(
                     "saved checkpoint %s (%d files, %.1f MB)", final_dir, len(manifest["files"]), total / 1e6
                 )
         # also the barrier after which final_dir exists for everyone
-        raise_if_any_process_failed(finish_error, f"finishing the checkpoint {final_dir}")
+        raise_if_any_process_failed(finish_error, f"finishing the checkpoint {final_dir}", group=group)
     except BaseException:
-        if state.is_main_process:
-            shutil.rmtree(tmp_dir, ignore_errors=True)
+        abandon_checkpoint(tmp_dir)
         raise
+
+
+def abandon_checkpoint(tmp_dir: Path) -> None:
+    """Remove a checkpoint's temporary directory (the main process's part of a failed save)."""
+    if PartialState().is_main_process:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
 def _said_if_out_of_space(error: Exception, final_dir: Path) -> Exception:

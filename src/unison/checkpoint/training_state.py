@@ -34,7 +34,15 @@ from .errors import CheckpointError, check_shapes, model_keys_error
 from .export import MODELS_KEY, describe_models
 from .global_batch import TRAINING_LOADER, resumed_global_batch, training_loader_index
 from .manifest import files_of_process, read_manifest, verify_files
-from .storage import load_object, raise_if_any_process_failed, save_object, write_checkpoint
+from .storage import (
+    abandon_checkpoint,
+    begin_checkpoint,
+    checked_metadata,
+    finish_checkpoint,
+    load_object,
+    raise_if_any_process_failed,
+)
+from .writing import AsyncCheckpointWriter, CheckpointWrites, write_and_finish
 
 logger = logging.getLogger("unison")
 
@@ -186,33 +194,75 @@ def _part_directory(directory: Path, name: str) -> Path:
     return directory / name.removesuffix(".pt")
 
 
-def save_training_state(training: TrainingParts, directory: Path) -> Path:
+def save_training_state(
+    training: TrainingParts,
+    directory: Path,
+    writer: AsyncCheckpointWriter | None = None,
+    on_complete: Callable[[], Any] | None = None,
+) -> Path:
     """Write the training state into `directory` (atomically; every process must call this).
 
     The save_state pre-hooks run first, inside the checkpoint being written (their output_dir is its
     temporary directory, so what they write is checksummed and renamed with it); a model whose weights
     they removed from the list is not saved (they saved it their way).
+
+    writer: save asynchronously: the state is copied to host memory (`writer`'s staging buffers) and this
+    returns; `writer` writes it, checksums it and renames it into place in the background. Without it,
+    this returns once the checkpoint is complete. on_complete: called once it is (in the background too).
     """
     state = PartialState()
     metadata = {"optimizer_steps": training.optimizer_steps, "world_size": state.num_processes}
     metadata[MODELS_KEY] = describe_models(list(training.models))  # for `unison export`: ties, config
+    metadata = checked_metadata(metadata)
     model_parts, sharded_parts = _model_parts(training)
-    with write_checkpoint(directory, metadata=metadata) as staging:
+    if writer is not None:
+        writer.prepare()  # collective: its process group, made once, before any file exists
+    staging = begin_checkpoint(directory)
+    try:
         left_to_hooks = {f"model_{i}.pt" for i in _models_saved_by_hooks(training, staging)}
-        for name in sorted(sharded_parts - left_to_hooks):  # collective: the same order on every process
-            model, part = model_parts[name]
-            if part is model:
-                _sharded().save_model_state(model, _part_directory(staging, name))
-            else:
-                _sharded().save_optimizer_state(model, part, _part_directory(staging, name))
-        if state.is_main_process:
-            for name, part in _replicated_parts(training).items():
-                if name not in sharded_parts and name not in left_to_hooks:
-                    save_object(part.state_dict(), staging / name)
-            save_object(_counters(training), staging / COUNTERS_FILE)
-        save_object(get_rng_state(), staging / _rng_file(state.process_index))
-    logger.info("saved the training state to %s", directory)
+        writes = _writes(training, staging, model_parts, sharded_parts, left_to_hooks)
+        if writer is not None:
+            writes = writer.stage(writes)
+    except Exception as error:
+        finish_checkpoint(staging, directory, metadata, error)  # raises on every process
+        raise  # (finish_checkpoint raised already; this line is never reached)
+    except BaseException:
+        abandon_checkpoint(staging)
+        raise
+    if writer is None:
+        write_and_finish(writes, staging, directory, metadata)
+        logger.info("saved the training state to %s", directory)
+        if on_complete is not None:
+            on_complete()
+    else:
+        writer.start(writes, staging, directory, metadata, on_complete)
     return directory
+
+
+def _writes(
+    training: TrainingParts,
+    staging: Path,
+    model_parts: dict[str, tuple[torch.nn.Module, Any]],
+    sharded_parts: set[str],
+    left_to_hooks: set[str],
+) -> CheckpointWrites:
+    """What this process writes into `staging`, as live objects: the sharded parts' states (collective:
+    each process's shards) and, on the main process, the replicated files; every process its RNG file."""
+    state = PartialState()
+    writes = CheckpointWrites()
+    for name in sorted(sharded_parts - left_to_hooks):  # collective: the same order on every process
+        model, part = model_parts[name]
+        if part is model:
+            writes.parts[_part_directory(staging, name)] = _sharded().model_state(model)
+        else:
+            writes.parts[_part_directory(staging, name)] = _sharded().optimizer_state(model, part)
+    if state.is_main_process:
+        for name, part in _replicated_parts(training).items():
+            if name not in sharded_parts and name not in left_to_hooks:
+                writes.files[staging / name] = part.state_dict()
+        writes.files[staging / COUNTERS_FILE] = _counters(training)
+    writes.files[staging / _rng_file(state.process_index)] = get_rng_state()
+    return writes
 
 
 def _models_saved_by_hooks(training: TrainingParts, output_dir: Path) -> list[int]:
