@@ -15,6 +15,11 @@ rank RANK SIGKILLs itself (no exception, no cleanup: as the OOM killer would) at
   checkpointing, which the main process writes after the model, optimizer, scheduler and data loader
   (so RANK must be 0): the temporary directory holds half a checkpoint.
 
+- `write`: with `--async-save`, once save_state of that step has returned and its background write is
+  under way: a timer SIGKILLs the process after a random 0-100 ms (seeded by the attempt), first
+  appending to PROJECT/kills-rankR.jsonl which checkpoint was still being written (None: none).
+  `--ballast-mb` makes the writes long enough for that.
+
 Rank 0 appends {"attempt", "resumed_from"} to PROJECT/resumes.jsonl after each load_state, so the test
 can tell that every restart resumed from the checkpoint before its kill (a restart that started over
 would also end on the reference parameters and prove nothing). The main process writes the final
@@ -26,7 +31,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
+import threading
 from pathlib import Path
 
 import torch
@@ -61,9 +68,37 @@ class KillPoint:
         pass
 
 
+class Ballast:
+    """Registered for checkpointing: MB of float32 that make each save's write take a while."""
+
+    def __init__(self, megabytes: int) -> None:
+        self.tensor = torch.zeros(megabytes * 2**18)
+
+    def state_dict(self) -> dict:
+        return {"ballast": self.tensor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensor = state["ballast"]
+
+
+def kill_during_the_write(accelerator: Accelerator, project: Path, attempt: int) -> None:
+    """SIGKILL this process a random 0-100 ms from now, saying first whether a write was in flight."""
+    delay = random.Random(attempt).uniform(0.0, 0.1)
+
+    def kill() -> None:
+        record = {"attempt": attempt, "step": accelerator.optimizer_steps, "delay": round(delay, 3)}
+        in_flight = accelerator.checkpoint_in_flight
+        record["in_flight"] = in_flight and in_flight.name
+        with open(project / f"kills-rank{accelerator.process_index}.jsonl", "a") as log:
+            log.write(json.dumps(record) + "\n")
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Timer(delay, kill).start()
+
+
 def parse_kill(text: str) -> tuple[int, str, int]:
     rank, place, step = text.split(":")
-    if place not in ("step", "save-start", "save-middle"):
+    if place not in ("step", "save-start", "save-middle", "write"):
         raise argparse.ArgumentTypeError(f"unknown kill place {place!r}")
     return int(rank), place, int(step)
 
@@ -73,6 +108,8 @@ def main() -> None:
     parser.add_argument("project", type=Path)
     parser.add_argument("out", type=Path)
     parser.add_argument("--kill", type=parse_kill, action="append", default=[])
+    parser.add_argument("--async-save", action="store_true", help="ProjectConfiguration(async_save=True)")
+    parser.add_argument("--ballast-mb", type=int, default=0, help="extra checkpointed MB (longer writes)")
     args = parser.parse_args()
     attempt = int(os.environ["TORCHELASTIC_RESTART_COUNT"])
     kill = args.kill[attempt] if attempt < len(args.kill) else None
@@ -82,7 +119,10 @@ def main() -> None:
         gradient_accumulation_steps=2,
         cpu=True,
         project_config=ProjectConfiguration(
-            project_dir=args.project, automatic_checkpoint_naming=True, total_limit=2
+            project_dir=args.project,
+            automatic_checkpoint_naming=True,
+            total_limit=2,
+            async_save=args.async_save,
         ),
     )
     set_seed(0)
@@ -96,6 +136,8 @@ def main() -> None:
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     kill_point = KillPoint(kill, accelerator)
     accelerator.register_for_checkpointing(kill_point)
+    if args.ballast_mb:
+        accelerator.register_for_checkpointing(Ballast(args.ballast_mb))
     accelerator.register_save_state_pre_hook(
         lambda models, weights, output_dir: kill_point.check("save-start")
     )
@@ -122,6 +164,9 @@ def main() -> None:
             kill_point.check("step")
             if accelerator.optimizer_steps % SAVE_EVERY == 0:
                 accelerator.save_state()
+                if kill == (accelerator.process_index, "write", accelerator.optimizer_steps):
+                    kill_during_the_write(accelerator, args.project, attempt)
+    accelerator.end_training()  # an asynchronous save in flight is finished first
     if accelerator.is_main_process:
         torch.save(accelerator.unwrap_model(model).state_dict(), args.out)
 

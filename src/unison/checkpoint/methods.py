@@ -134,6 +134,12 @@ class CheckpointMethods:
         prune = None if limit is None else (lambda: prune_checkpoints(directory.parent, limit))
         return save_training_state(self._training_parts(), directory, writer, on_complete=prune)
 
+    @property
+    def checkpoint_in_flight(self) -> Path | None:
+        """The checkpoint an asynchronous save_state is still writing in the background, or None."""
+        writer = getattr(self, "_async_writer", None)
+        return None if writer is None else writer.in_flight
+
     def wait_for_checkpoint(self) -> Path | None:
         """Wait until no asynchronous save_state is in flight; returns the checkpoint it completed (None if
         there was none), or raises, on every process, what made it fail (nothing was renamed into place)."""
