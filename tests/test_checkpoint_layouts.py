@@ -20,7 +20,9 @@ from launching import WORKERS, launch_ok
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from unison.checkpoint import verify_checkpoint
 from unison.checkpoint.export import export_checkpoint
+from unison.checkpoint.sharded import SafeFileSystemReader
 
 WORKER = WORKERS / "layout_checkpoint_worker.py"
 pytestmark = pytest.mark.timeout(600)
@@ -93,6 +95,31 @@ def test_save_model_writes_the_consolidated_weights_from_a_sharded_or_split_layo
             assert torch.equal(weights[value_name], value)
         else:
             assert torch.equal(weights[key], value), key
+
+
+@pytest.mark.parametrize("layout", ["zero3", "pp_size=2", "tp_size=2"])
+def test_an_asynchronous_save_writes_the_synchronous_checkpoints_bytes(saved, layout):
+    """save_state(async_save=True) of the same state, written while the next step changed every weight:
+    every file the same size with the same CRC-32s as the synchronous checkpoint's (their manifests say
+    so, each verified against its files), but DCP's `.metadata`, which names its own directory: there
+    the tensors' sizes, dtypes and places in the files are the same."""
+    sync = verify_checkpoint(saved[layout] / "checkpoint")
+    background = verify_checkpoint(saved[layout] / "checkpoint_async")
+    dcp_metadata = {name for name in sync["files"] if name.endswith("/.metadata")}
+    assert dcp_metadata and set(background["files"]) == set(sync["files"])
+    assert {k: v for k, v in background["files"].items() if k not in dcp_metadata} == {
+        k: v for k, v in sync["files"].items() if k not in dcp_metadata
+    }
+    for name in dcp_metadata:
+        part = name.removesuffix("/.metadata")
+        read = [
+            SafeFileSystemReader(saved[layout] / c / part).read_metadata()
+            for c in ("checkpoint", "checkpoint_async")
+        ]
+        assert read[0].state_dict_metadata == read[1].state_dict_metadata, name
+        assert read[0].storage_data == read[1].storage_data, name
+    assert background["metadata"] == sync["metadata"]
+    assert not list(saved[layout].glob(".*.tmp"))  # nothing left half-written
 
 
 @pytest.mark.parametrize("layout", ["zero3", "pp_size=2", "tp_size=2"])

@@ -2,8 +2,9 @@
 
     layout_checkpoint_worker.py save LAYOUT DIR [LAYOUT DIR ...] [load LAYOUT DIR ...]
         for each pair: train 2 steps under LAYOUT, save_state(DIR/checkpoint), save_model(DIR/weights),
-        train 1 more step; the main process writes the consolidated weights after each to
-        DIR/at_save.pt and DIR/after_step.pt
+        save_state(DIR/checkpoint_async, async_save=True), train 1 more step while it is written (end_training
+        waits for it); the main process writes the consolidated weights after each to DIR/at_save.pt and
+        DIR/after_step.pt
     layout_checkpoint_worker.py load LAYOUT DIR [LAYOUT DIR ...]
         for each pair: load_state(DIR/checkpoint) under LAYOUT, train the same 1 step; the main process
         writes DIR/restored_<N>_<LAYOUT>.pt and DIR/loaded_<N>_<LAYOUT>.pt (N: the number of processes)
@@ -59,6 +60,8 @@ def run(mode: str, layout: str, directory: Path) -> None:
         accelerator.save_state(directory / "checkpoint")
         accelerator.save_model(model, directory / "weights")
         write("at_save.pt")
+        # the same state again, written in the background while the next step changes every weight
+        accelerator.save_state(directory / "checkpoint_async", async_save=True)
         step(2)
         write("after_step.pt")
     else:
