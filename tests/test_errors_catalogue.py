@@ -157,6 +157,18 @@ def test_a_full_disk_fails_the_save_on_every_rank_and_the_previous_checkpoint_lo
         assert record["checks"]["full_disk_previous_loads"]
 
 
+def test_a_full_disk_fails_an_asynchronous_save_at_the_next_wait_on_every_rank(reports):
+    if reports["no_small_disk"]:
+        pytest.skip(reports["no_small_disk"])
+    for message in messages_of(reports, "save_async_disk_full"):
+        assert "ckpt/small_disk/checkpoint_3 could not be written: the disk holding it is full" in message
+    for record in reports["records"]:
+        checks = record["checks"]
+        assert checks["async_save_returned"].endswith("checkpoint_3"), checks  # the write failed later
+        assert checks["async_full_disk_left"] == ["checkpoint_1", "other_job.bin"], checks
+        assert checks["async_full_disk_previous_loads"], checks
+
+
 def test_what_the_messages_advise_works(reports):
     """find_unused_parameters or a frozen head trains the model with an unused head; the optimizer built
     after prepare() trains under ZeRO-3; switching optimizers as the message says loads and steps."""

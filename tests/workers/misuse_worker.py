@@ -524,6 +524,31 @@ def save_disk_full():
 
 
 @case
+def save_async_disk_full():
+    """save_disk_full with async_save=True, on the disk save_disk_full left full: save_state returns once
+    the state is copied, the background write fails, and the next wait raises on every rank."""
+    if full_disk_dir is None:
+        raise LookupError("no small file system was mounted: the test skips this case")
+    accelerator = Accelerator()
+    model = nn.Linear(256, 256)
+    model, optimizer = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    first = full_disk_dir / "checkpoint_1"
+    accelerator.load_state(first)
+    saved = snapshot(model)
+    with torch.no_grad():
+        model.module.weight.add_(1.0)
+    returned = accelerator.save_state(full_disk_dir / "checkpoint_3", async_save=True)
+    checks["async_save_returned"] = str(returned)
+    try:
+        accelerator.wait_for_checkpoint()
+    finally:
+        state.wait_for_everyone()
+        checks["async_full_disk_left"] = sorted(path.name for path in full_disk_dir.iterdir())
+        accelerator.load_state(first)
+        checks["async_full_disk_previous_loads"] = same(model, saved)
+
+
+@case
 def register_without_state_dict():
     Accelerator().register_for_checkpointing("model.pt")
 
