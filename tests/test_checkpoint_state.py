@@ -107,6 +107,55 @@ def test_automatic_naming_keeps_total_limit_newest(tmp_path):
     assert [p.name for p in accelerator.checkpoints()] == ["checkpoint_2", "checkpoint_3"]
 
 
+class Ballast:
+    """Registered for checkpointing: 64 MB that make a background write last long enough to overlap."""
+
+    def __init__(self) -> None:
+        self.tensor = torch.zeros(16 * 2**20)
+
+    def state_dict(self) -> dict:
+        return {"ballast": self.tensor}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.tensor = state["ballast"]
+
+
+def test_an_asynchronous_save_holds_the_state_of_its_call_and_one_save_at_a_time(tmp_path, caplog):
+    """ProjectConfiguration(async_save=True): save_state returns before the files exist; training on
+    changes nothing in them; the next save waits for the one in flight and says so in one line; older
+    checkpoints are pruned only once the newer one is complete; load_state resumes the saved state."""
+    accelerator, counter, prepared = build(tmp_path)
+    accelerator.project_configuration.async_save = True
+    ballast = Ballast()
+    accelerator.register_for_checkpointing(ballast)
+    train_steps(accelerator, prepared, 1)
+    counter.value = 7
+    expected_params = [p.detach().clone() for p in prepared[0].parameters()]
+    first = accelerator.save_state()
+    assert accelerator.checkpoint_in_flight == first and not first.exists()  # written in the background
+    with torch.no_grad():  # the live state changes at once: the checkpoint keeps the call's
+        for param in prepared[0].parameters():
+            param.add_(100.0)
+    counter.value, ballast.tensor[0] = 8, 1.0
+    with caplog.at_level("INFO", logger="unison"):
+        second = accelerator.save_state(tmp_path / "elsewhere")  # explicit path, async from the config
+    waited = [r.getMessage() for r in caplog.records if "waited" in r.getMessage()]
+    assert len(waited) == 1 and f"previous asynchronous save ({first})" in waited[0], waited
+    assert first.is_dir() and verify_checkpoint(first)  # complete before the next save began
+    assert accelerator.wait_for_checkpoint() == second and accelerator.checkpoint_in_flight is None
+    accelerator2, counter2, prepared2 = build(tmp_path)
+    accelerator2.register_for_checkpointing(restored := Ballast())
+    accelerator2.load_state(first)
+    assert counter2.value == 7 and restored.tensor[0] == 0.0
+    assert all(torch.equal(a, b) for a, b in zip(expected_params, prepared2[0].parameters()))
+    for _ in range(2):  # total_limit=2: the third automatic checkpoint removes the first once complete
+        train_steps(accelerator, prepared, 1)
+        accelerator.save_state()
+    assert [path.name for path in accelerator.checkpoints()] == ["checkpoint_1", "checkpoint_2"]
+    accelerator.end_training()  # waits for the one in flight
+    assert [path.name for path in accelerator.checkpoints()] == ["checkpoint_2", "checkpoint_3"]
+
+
 def test_load_without_a_checkpoint(tmp_path):
     accelerator, _, _ = build(tmp_path)
     with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
