@@ -13,7 +13,9 @@ the directory appears complete or not at all, and at most one save is in flight.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -138,6 +140,7 @@ class AsyncCheckpointWriter:
         on_complete: Callable[[], Any] | None,
     ) -> None:
         started = time.perf_counter()
+        _yield_to_training()
         try:
             write_and_finish(writes, staging, final_dir, metadata, self._group)
             seconds = time.perf_counter() - started
@@ -164,3 +167,13 @@ class AsyncCheckpointWriter:
             self.wait()
         except Exception as error:  # the exit goes on; the checkpoint was not renamed into place
             logger.error("unison: the asynchronous save in flight at exit failed: %s", error)
+
+
+BACKGROUND_NICENESS = 10
+
+
+def _yield_to_training() -> None:
+    """Lower this thread's scheduling priority (Linux: nice is per thread, and the threads it starts, the
+    checksums' and DCP's, inherit it), so a core busy with training keeps training while the write waits."""
+    with contextlib.suppress(AttributeError, OSError):  # no per-thread nice outside Linux
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
