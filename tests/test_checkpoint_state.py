@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import pickle
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -154,6 +155,28 @@ def test_an_asynchronous_save_holds_the_state_of_its_call_and_one_save_at_a_time
     assert [path.name for path in accelerator.checkpoints()] == ["checkpoint_1", "checkpoint_2"]
     accelerator.end_training()  # waits for the one in flight
     assert [path.name for path in accelerator.checkpoints()] == ["checkpoint_2", "checkpoint_3"]
+
+
+EXITS_AFTER_AN_ASYNC_SAVE = """
+import sys, torch
+from unison import Accelerator
+accelerator = Accelerator(cpu=True)
+model, optimizer = accelerator.prepare(torch.nn.Linear(2048, 2048), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+accelerator.save_state(sys.argv[1], async_save=True)
+print("in flight:", accelerator.checkpoint_in_flight is not None, flush=True)
+"""  # and the script ends: no end_training, no wait
+
+
+def test_a_script_that_ends_right_after_an_asynchronous_save_leaves_it_complete(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", EXITS_AFTER_AN_ASYNC_SAVE, str(tmp_path / "checkpoint")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and "in flight: True" in result.stdout, result.stderr
+    assert verify_checkpoint(tmp_path / "checkpoint")["files"]  # the exit waited for the write
+    assert not list(tmp_path.glob(".*.tmp"))
 
 
 def test_load_without_a_checkpoint(tmp_path):

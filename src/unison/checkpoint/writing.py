@@ -119,8 +119,8 @@ class AsyncCheckpointWriter:
     ) -> None:
         """Write and finish the staged checkpoint on a background thread; then call `on_complete` (the
         pruning of older checkpoints, which must wait until this one is complete)."""
-        if not self._exit_wait_registered:  # after the process group's exit handler: runs before it
-            atexit.register(self._wait_at_exit)
+        if not self._exit_wait_registered:
+            _at_interpreter_exit(self._wait_at_exit)
             self._exit_wait_registered = True
         self._error, self._in_flight = None, final_dir
         self._thread = threading.Thread(
@@ -177,3 +177,19 @@ def _yield_to_training() -> None:
     checksums' and DCP's, inherit it), so a core busy with training keeps training while the write waits."""
     with contextlib.suppress(AttributeError, OSError):  # no per-thread nice outside Linux
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
+
+
+def _at_interpreter_exit(function: Callable[[], None]) -> None:
+    """Run `function` when the main thread ends, before the interpreter shuts its thread pools down.
+
+    An atexit handler runs too late for a write that still has work to schedule: by then
+    concurrent.futures refuses new futures ("cannot schedule new futures after interpreter shutdown"),
+    and the checksums and DCP's writer use thread pools. `threading._register_atexit` (Python 3.9+,
+    private: the one place unison uses it; tests/test_checkpoint_state.py fails if it stops working)
+    runs its functions first, latest registered first, so after this the pools' own exit hook. Where it
+    is missing, atexit is the fallback: after the process group's exit handler, so before it."""
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        atexit.register(function)
+        return
+    register(function)
