@@ -26,7 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..state import PartialState
 from .storage import finish_checkpoint, save_object
 
 logger = logging.getLogger("unison")
@@ -95,8 +94,10 @@ class AsyncCheckpointWriter:
                 time.perf_counter() - started,
                 pending,
             )
-        if self._group is None and PartialState().num_processes > 1:
-            self._group = dist.new_group(backend="gloo")  # collective: every process's first async save
+        if self._group is None and dist.is_available() and dist.is_initialized():
+            # collective: every process's first async save (also a one-process group, as ZeRO offload on one
+            # GPU forms: its DCP write must not run collectives on the group training uses)
+            self._group = dist.new_group(backend="gloo")
 
     def stage(self, writes: CheckpointWrites) -> CheckpointWrites:
         """A copy of `writes` in host memory, made now, so training may change the live tensors."""
