@@ -21,8 +21,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from unison.checkpoint import verify_checkpoint
+from unison.checkpoint.dcp_reading import SafeFileSystemReader
 from unison.checkpoint.export import export_checkpoint
-from unison.checkpoint.sharded import SafeFileSystemReader
 
 WORKER = WORKERS / "layout_checkpoint_worker.py"
 pytestmark = pytest.mark.timeout(600)

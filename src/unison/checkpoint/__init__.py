@@ -1,7 +1,8 @@
 """Checkpoints: atomic, verified directories on disk (storage, their manifest of checksums in manifest),
-the training state in them
-(training_state; sharded layouts through DCP in sharded, imported on first use), and consolidated
-weights for use without unison from any layout (weights)."""
+the training state in them (training_state; written now or in the background by writing; sharded layouts
+through DCP in sharded, read without executing code by dcp_reading, imported on first use), consolidated
+weights for use without unison from any layout (weights), and a checkpoint exported as a Hugging Face
+folder on one process (export)."""
 
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, files_of_process, read_manifest, verify_checkpoint, verify_files

@@ -171,7 +171,7 @@ def _read_model(checkpoint: Path, index: int) -> dict[str, torch.Tensor]:
         state = load_object(plain, map_location="cpu")
         return {name: value for name, value in state.items() if isinstance(value, torch.Tensor)}
     if sharded.is_dir():
-        from .sharded import read_full_model_state  # DCP: loaded only for sharded checkpoints
+        from .dcp_reading import read_full_model_state  # DCP: loaded only for sharded checkpoints
 
         return read_full_model_state(sharded)
     models = sorted(p.name for p in checkpoint.iterdir() if p.name.startswith("model_"))
