@@ -75,7 +75,6 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self._in_flight: Path | None = None
         self._exit_wait_registered = False
-        self.last_staging_seconds = 0.0  # how long the last save blocked the caller to copy its state
 
     @property
     def in_flight(self) -> Path | None:
@@ -105,9 +104,8 @@ class AsyncCheckpointWriter:
 
         if self._stager is None:
             self._stager = StateDictStager(pin_memory=torch.cuda.is_available())
-        started = time.perf_counter()
+        # the previous save has finished (prepare waited): its buffers, reused here, are free again
         staged = self._stager.stage({"parts": writes.parts, "files": writes.files})
-        self.last_staging_seconds = time.perf_counter() - started
         return CheckpointWrites(parts=staged["parts"], files=staged["files"])
 
     def start(
