@@ -31,6 +31,7 @@ from .weights import (
     parse_shard_size,
     safetensors_save_model,
     split_into_shards,
+    storage_key,
     write_shards,
     write_weights,
 )
@@ -43,20 +44,22 @@ _HF_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.f
 
 # -- at save time ------------------------------------------------------------------------------------
 def describe_models(models: list[torch.nn.Module]) -> list[dict[str, Any]]:
-    """For each prepared model: its tied-weight name groups, its class name and its Hugging Face config
-    (None when it has none), as JSON for the checkpoint's manifest. Collective when processes run
-    together: pipeline stages each see only their own ties."""
+    """For each prepared model: its tied-weight name groups and its Hugging Face config (None when it has
+    none), as JSON for the checkpoint's manifest. Collective under pipeline parallelism, where each
+    process sees only its own stages' ties (every process has the same layout, so all gather or none)."""
     local = [_tied_groups(unwrap(model)) for model in models]
     everyone = [local]
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+    pipeline = any(getattr(unwrap(model), "stage_modules", None) for model in models)
+    if pipeline and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
-    described = []
-    for index, model in enumerate(models):
-        root = _user_root(unwrap(model))
-        groups = _merged([group for process in everyone for group in process[index]])
-        described.append({"class": type(root).__name__, "tied": groups, "config": _hf_config(root)})
-    return described
+    return [
+        {
+            "tied": _merged([group for process in everyone for group in process[index]]),
+            "config": _hf_config(_user_root(unwrap(model))),
+        }
+        for index, model in enumerate(models)
+    ]
 
 
 def _user_root(module: torch.nn.Module) -> torch.nn.Module:
@@ -137,7 +140,7 @@ def export_checkpoint(
     state = _read_model(checkpoint, model_index)
     if dtype is not None:
         cast: dict[tuple, torch.Tensor] = {}  # a tensor under several names stays one tensor
-        state = {name: cast.setdefault(_storage_key(t), _cast(t, DTYPES[dtype])) for name, t in state.items()}
+        state = {name: cast.setdefault(storage_key(t), _cast(t, DTYPES[dtype])) for name, t in state.items()}
     info = described[model_index] if described and model_index < len(described) else {}
     for group in info.get("tied", []):  # one tensor under each name: written once
         present = [name for name in group if name in state]
@@ -179,11 +182,6 @@ def _read_model(checkpoint: Path, index: int) -> dict[str, torch.Tensor]:
         f"{checkpoint} holds no model {index} (no model_{index}.pt or model_{index}/; it has "
         f"{', '.join(models) or 'no model at all'}): pass the index of a saved model."
     )
-
-
-def _storage_key(tensor: torch.Tensor) -> tuple:
-    """Equal for the names of one tensor (a plain file keeps their shared storage)."""
-    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
 
 
 def _cast(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

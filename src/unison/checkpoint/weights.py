@@ -230,7 +230,7 @@ def split_into_shards(state: dict[str, torch.Tensor], limit: int) -> list[dict[s
     shards: list[dict[str, torch.Tensor]] = [{}]
     size, seen = 0, set()
     for name, tensor in state.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        key = storage_key(tensor)
         if tensor.numel() and key in seen:
             continue
         seen.add(key)
@@ -241,6 +241,11 @@ def split_into_shards(state: dict[str, torch.Tensor], limit: int) -> list[dict[s
         shards[-1][name] = tensor
         size += nbytes
     return shards
+
+
+def storage_key(tensor: torch.Tensor) -> tuple:
+    """Equal for the names of one tensor (tied weights, which a torch.save file keeps shared)."""
+    return (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
 
 
 def write_shards(shards: list[dict[str, torch.Tensor]], directory: Path, safe_serialization: bool) -> Path:
