@@ -6,16 +6,15 @@ and finishes it (checksums, manifest, rename: storage.finish_checkpoint). Synchr
 `write_and_finish`. `AsyncCheckpointWriter` instead copies everything into host memory first (torch's
 StateDictStager: buffers reused from one save to the next, pinned where a GPU exists) and returns; a
 background thread writes the copies and finishes the checkpoint over a gloo process group of its own,
-so its collectives never pair with the training loop's. Every guarantee of a synchronous save holds:
+so its collectives never pair with the training loop's, and on CPU that training leaves idle until
+something waits for it (idle_priority.py). Every guarantee of a synchronous save holds:
 the directory appears complete or not at all, and at most one save is in flight.
 """
 
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .idle_priority import IdlePriority
 from .storage import finish_checkpoint, save_object
 
 logger = logging.getLogger("unison")
@@ -75,6 +75,7 @@ class AsyncCheckpointWriter:
         self._error: BaseException | None = None
         self._in_flight: Path | None = None
         self._exit_wait_registered = False
+        self._priority = IdlePriority()  # the write in flight's: idle CPU only, until something waits for it
 
     @property
     def in_flight(self) -> Path | None:
@@ -121,7 +122,7 @@ class AsyncCheckpointWriter:
         if not self._exit_wait_registered:
             _at_interpreter_exit(self._wait_at_exit)
             self._exit_wait_registered = True
-        self._error, self._in_flight = None, final_dir
+        self._error, self._in_flight, self._priority = None, final_dir, IdlePriority()
         self._thread = threading.Thread(
             target=self._write,
             args=(writes, staging, final_dir, metadata, on_complete),
@@ -139,7 +140,7 @@ class AsyncCheckpointWriter:
         on_complete: Callable[[], Any] | None,
     ) -> None:
         started = time.perf_counter()
-        _yield_to_training()
+        self._priority.lower_this_thread()
         try:
             write_and_finish(writes, staging, final_dir, metadata, self._group)
             seconds = time.perf_counter() - started
@@ -154,6 +155,7 @@ class AsyncCheckpointWriter:
         thread, finished = self._thread, self._in_flight
         if thread is None:
             return None
+        self._priority.restore()  # whoever waits, training is not running: the write takes full CPU
         thread.join()
         self._thread, self._in_flight = None, None
         if self._error is not None:
@@ -166,16 +168,6 @@ class AsyncCheckpointWriter:
             self.wait()
         except Exception as error:  # the exit goes on; the checkpoint was not renamed into place
             logger.error("unison: the asynchronous save in flight at exit failed: %s", error)
-
-
-BACKGROUND_NICENESS = 10
-
-
-def _yield_to_training() -> None:
-    """Lower this thread's scheduling priority (Linux: nice is per thread, and the threads it starts, the
-    checksums' and DCP's, inherit it), so a core busy with training keeps training while the write waits."""
-    with contextlib.suppress(AttributeError, OSError):  # no per-thread nice outside Linux
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), BACKGROUND_NICENESS)
 
 
 def _at_interpreter_exit(function: Callable[[], None]) -> None:
