@@ -106,11 +106,16 @@ def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
         host_name=layout.master_addr,
         port=layout.master_port,
         world_size=None if agent_hosts_store else layout.world_size,
-        is_master=layout.rank == 0 and not agent_hosts_store,
+        is_master=_hosts_the_store(layout),
         timeout=timeout,
         wait_for_workers=False,
     )
     return dist.PrefixStore(_attempt_prefix(), store)
+
+
+def _hosts_the_store(layout: ProcessLayout) -> bool:
+    """Whether this process serves the rendezvous store: rank 0, unless torchrun's agent serves it."""
+    return layout.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
 
 
 def _socket_interface(layout: ProcessLayout) -> dict[str, str]:
@@ -275,9 +280,10 @@ class PartialState:
         first_step = (
             self.timeout if self._timeout_requested else timedelta(seconds=DEFAULT_FIRST_STEP_TIMEOUT_SECONDS)
         )
+        store = _rendezvous_store(layout, first_step)
         dist.init_process_group(
             backend=self.backend,
-            store=_rendezvous_store(layout, first_step),
+            store=store,
             rank=layout.rank,
             world_size=layout.world_size,
             timeout=max(first_step, self.timeout) + timedelta(seconds=BACKSTOP_SECONDS),
@@ -291,6 +297,7 @@ class PartialState:
             layout.world_size,
             timeout=self.timeout.total_seconds(),
             first_timeout=first_step.total_seconds(),
+            served_store=store if _hosts_the_store(layout) else None,
         )
         watchdog.start()
         # runs before the watchdog's exit note (atexit: last in, first out)

@@ -84,8 +84,11 @@ class Watchdog:
         world_size: int,
         stall_timeout: float,
         first_step_timeout: float,
+        served_store: dist.Store | None = None,
     ):
         self.store = store
+        # the store this process serves (rank 0 under srun / mpirun), kept open until the others are done
+        self.served_store = served_store
         self.rank = rank
         self.world_size = world_size
         self.stall_timeout = stall_timeout
@@ -110,6 +113,7 @@ class Watchdog:
         world_size: int,
         timeout: float,
         first_timeout: float,
+        served_store: dist.Store | None = None,
     ) -> Watchdog:
         """A watchdog with its own connection to the rendezvous store (short timeouts: it must never
         wait on the store as long as a collective may)."""
@@ -120,7 +124,8 @@ class Watchdog:
             timeout=timedelta(seconds=STORE_TIMEOUT_SECONDS),
             wait_for_workers=False,
         )
-        return cls(dist.PrefixStore(prefix + "watch/", client), rank, world_size, timeout, first_timeout)
+        store = dist.PrefixStore(prefix + "watch/", client)
+        return cls(store, rank, world_size, timeout, first_timeout, served_store)
 
     def start(self) -> None:
         if _catches_default(STACK_DUMP_SIGNAL):
@@ -134,12 +139,34 @@ class Watchdog:
         """Say this rank has exited, and stop the thread before the interpreter tears down: a daemon thread
         killed inside a store request while the process (maybe the store's host) ends can abort it."""
         with contextlib.suppress(Exception):
-            self.store.set(f"exited/{self.rank}", f"{socket.gethostname()} {os.getpid()}")
+            role = "serves-store" if self.served_store is not None else "client"
+            self.store.set(f"exited/{self.rank}", f"{socket.gethostname()} {os.getpid()} {role}")
         self._stop.set()
         self._thread.join(timeout=ANSWER_WAIT_SECONDS + STORE_TIMEOUT_SECONDS)
+        if self.served_store is not None:
+            self._await_the_others_exit()
         if self.failed:  # every handler registered after the process group's has run (tracker flushes...):
             logging.shutdown()  # skip the interpreter's teardown, where torch's C++ objects freed late
             _exit(1)  # (a DDP model's gloo group) can abort ("terminate called without an active exception")
+
+    def _await_the_others_exit(self) -> None:
+        """Keep serving the store until every other rank is done with it (at most EXIT_GRACE_SECONDS).
+
+        Under srun or mpirun the store lives in rank 0's process, not in an agent. Ending first (freed
+        with the process group at exit, or with the process after a failure), it closed the connections
+        of ranks still finishing, and each printed torch's "recvValue failed ... Connection was likely
+        closed" with a C++ stack trace: after every successful run in 4 of 6 with Open MPI 4.1.4's
+        mpirun, and whenever rank 0 failed. A rank is done once it wrote its exit note, or, ended by a
+        failure it obeyed, once it counted itself in "done". `served_store` holds the store open until
+        then; its peers do not wait for this process to end (see await_exit_of)."""
+        others = [rank for rank in range(self.world_size) if rank != self.rank]
+        deadline = time.monotonic() + EXIT_GRACE_SECONDS
+        with contextlib.suppress(Exception):
+            while time.monotonic() < deadline:
+                exited = sum(self.store.check([f"exited/{rank}"]) for rank in others)
+                if exited + self.store.add("done", 0) >= len(others):
+                    return
+                time.sleep(0.02)
 
     # -- the loop --------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -263,7 +290,9 @@ class Watchdog:
                 if time.monotonic() > deadline:
                     return
                 time.sleep(0.05)
-            host, pid = self.store.get(f"exited/{rank}").decode().split()
+            host, pid, serves_store = self.store.get(f"exited/{rank}").decode().split()
+            if serves_store == "serves-store":  # it waits for this rank instead (_await_the_others_exit)
+                return
             while time.monotonic() < deadline and (host != socket.gethostname() or _running(int(pid))):
                 time.sleep(0.05)
 
