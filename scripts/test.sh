@@ -3,10 +3,13 @@
 # it, prove the library works in a fresh environment with only its declared dependencies
 # (scripts/check_fresh_env.sh, about a minute and a half).
 #
-# The suite runs in two parts. Most tests run on UNISON_TEST_WORKERS pytest-xdist workers (default 2,
+# The suite runs in three parts. Most tests run on UNISON_TEST_WORKERS pytest-xdist workers (default 2,
 # one per core of our CI machines), whole files to a worker (--dist loadfile: a file's launches and
-# module fixtures stay together), while the fresh environment is built. Then the tests marked `serial`,
-# which assert how many seconds something takes (a crash ended, a hang reported), run alone.
+# module fixtures stay together), while the fresh environment is built and the real launchers are
+# installed (scripts/install_launchers.sh: SLURM, Open MPI, MPICH from Debian's packages). Then the
+# tests marked `serial`, which assert how many seconds something takes (a crash ended, a hang
+# reported), run alone; then those marked `launchers`, under the real srun, sbatch, mpirun and mpiexec
+# on a one-host SLURM cluster of their own (tests/test_real_launchers.py, about a minute and a half).
 # Extra arguments go to pytest (both parts); UNISON_SKIP_FRESH_ENV=1 skips the fresh environment for a
 # quick local re-run (CI never sets it).
 set -euo pipefail
@@ -16,17 +19,20 @@ bash scripts/install.sh test
 
 fresh_pid=""
 fresh_log="$(mktemp -t unison-fresh-env-XXXXXX.log)"
-trap 'rm -f "$fresh_log"; [ -z "$fresh_pid" ] || kill "$fresh_pid" 2>/dev/null || true' EXIT
+launchers_log="$(mktemp -t unison-launchers-XXXXXX.log)"
+trap 'rm -f "$fresh_log" "$launchers_log"; [ -z "$fresh_pid" ] || kill "$fresh_pid" 2>/dev/null || true' EXIT
 if [ "${UNISON_SKIP_FRESH_ENV:-0}" != "1" ]; then
   bash scripts/check_fresh_env.sh > "$fresh_log" 2>&1 &
   fresh_pid=$!
 fi
+bash scripts/install_launchers.sh > "$launchers_log" 2>&1 &
+launchers_pid=$!
 
 # pytest exits 5 when a part selects no test (e.g. arguments that name only serial tests): not a failure.
 run_part() { "$PY" -m pytest "$@" || { status=$?; [ "$status" -eq 5 ] || return "$status"; }; }
 
 parallel=0
-run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile -m "not serial" "$@" || parallel=$?
+run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile -m "not serial and not launchers" "$@" || parallel=$?
 fresh=0
 if [ -n "$fresh_pid" ]; then
   wait "$fresh_pid" || fresh=$?
@@ -35,5 +41,9 @@ if [ -n "$fresh_pid" ]; then
   [ "$fresh" -eq 0 ] || echo "[fresh env] FAILED (exit $fresh): see the lines above"
 fi
 serial=0
-run_part -m serial "$@" || serial=$?
-[ "$parallel" -eq 0 ] && [ "$fresh" -eq 0 ] && [ "$serial" -eq 0 ]
+run_part -m "serial and not launchers" "$@" || serial=$?
+launchers=0
+wait "$launchers_pid" || launchers=$?
+cat "$launchers_log"
+[ "$launchers" -eq 0 ] && { run_part -m launchers "$@" || launchers=$?; }
+[ "$parallel" -eq 0 ] && [ "$fresh" -eq 0 ] && [ "$serial" -eq 0 ] && [ "$launchers" -eq 0 ]

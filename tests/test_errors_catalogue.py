@@ -18,6 +18,7 @@ import re
 import socket
 import subprocess
 from pathlib import Path
+from unittest import mock
 
 import pytest
 from launching import REPO_ROOT, WORKERS, launch_ok
@@ -106,6 +107,14 @@ def launcher_errors(tmp_path_factory) -> dict[str, str]:
         "node_rank_one_node": cli_error("--node-rank", "1", str(script)),
         "script_missing": cli_error("--nproc-per-node", "2", "trian.py"),
     }
+    srun_step = {
+        "SLURM_STEP_ID": "0",
+        "SLURM_PROCID": "0",
+        "SLURM_STEP_NUM_TASKS": "2",
+        "SLURM_STEP_NUM_NODES": "1",
+    }
+    with mock.patch.dict(os.environ, srun_step):  # what srun -n2 sets (tests/test_real_launchers.py runs it)
+        errors["several_launchers"] = cli_error("--nproc-per-node", "2", str(script))
     signals = os.environ.get("TORCHELASTIC_SIGNALS_TO_HANDLE")  # torch's agent sets it in this process
     try:
         with socket.socket() as busy:

@@ -19,6 +19,7 @@ from unison import env_vars
 from unison.launching import launcher
 from unison.launching import options as launch_options
 from unison.launching.launcher import LaunchError, LaunchOptions
+from unison.launching.nesting import refuse_several_launchers
 
 WORKER = "tests/workers/launch_worker.py"
 
@@ -507,3 +508,42 @@ def test_a_launcher_killed_at_any_moment_leaves_no_worker_behind(tmp_path, kill_
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     assert not left, f"workers {left} outlived their launcher killed after {kill_after} s"
+
+
+# -- unison launch as one of several tasks of srun or mpirun (tests/test_real_launchers.py runs them) ------
+
+SRUN_STEP = {"SLURM_STEP_ID": "0", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"}
+
+
+@pytest.mark.parametrize(
+    ("env", "nnodes", "refused"),
+    [
+        ({}, "1", False),  # no outer launcher
+        (SRUN_STEP | {"SLURM_STEP_NUM_TASKS": "1", "SLURM_STEP_NUM_NODES": "1"}, "1", False),
+        (SRUN_STEP | {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "1"}, "1", True),
+        (SRUN_STEP | {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"}, "2", False),  # one per node
+        (SRUN_STEP | {"SLURM_STEP_NUM_TASKS": "2", "SLURM_STEP_NUM_NODES": "2"}, "1", True),  # --nnodes short
+        (SRUN_STEP | {"SLURM_STEP_NUM_TASKS": "4", "SLURM_STEP_NUM_NODES": "2"}, "2", True),  # two per node
+        # an sbatch script's batch step: SLURM_NTASKS=2 but no step id, so one task
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_JOB_ID": "7"}, "1", False),
+        (
+            {
+                "OMPI_COMM_WORLD_RANK": "0",
+                "OMPI_COMM_WORLD_SIZE": "2",
+                "OMPI_COMM_WORLD_LOCAL_RANK": "0",
+                "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+            },
+            "1",
+            True,
+        ),
+        ({"PMI_RANK": "0", "PMI_SIZE": "1", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "1"}, "1", False),
+    ],
+)
+def test_unison_launch_refuses_to_be_one_of_several_launchers_that_would_form_separate_runs(
+    env, nnodes, refused
+):
+    if refused:
+        with pytest.raises(LaunchError, match="would form a run of its own"):
+            refuse_several_launchers(env, launch_options.parse_nnodes(nnodes)[1])
+    else:
+        refuse_several_launchers(env, launch_options.parse_nnodes(nnodes)[1])

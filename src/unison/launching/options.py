@@ -24,6 +24,7 @@ from ..parallel.config import ParallelismConfig, auto_options, is_auto
 from ..plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin, layout_of, plugin_to_env, read_plugin
 from .cpu_processes import MAX_AUTO_CPU_PROCESSES, usable_cpu_count
 from .errors import LaunchError
+from .nesting import refuse_several_launchers
 from .plugin_flags import DEEPSPEED_FLAGS, FSDP_FLAGS
 
 
@@ -130,6 +131,7 @@ def validate(options: LaunchOptions) -> int:
     if options.max_restarts < 0:
         raise LaunchError(f"--max-restarts {options.max_restarts} is negative: pass 0 (no restart) or more.")
     min_nodes, max_nodes = parse_nnodes(options.nnodes)
+    refuse_several_launchers(os.environ, max_nodes)
     _refuse_flags_without_effect(options, max_nodes)
     if max_nodes > 1 and not options.rdzv_endpoint:
         _validate_static_multi_node(options, max_nodes, min_nodes)
