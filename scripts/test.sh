@@ -8,8 +8,9 @@
 # module fixtures stay together), while the fresh environment is built and the real launchers are
 # installed (scripts/install_launchers.sh: SLURM, Open MPI, MPICH from Debian's packages). Then the
 # tests marked `serial`, which assert how many seconds something takes (a crash ended, a hang
-# reported), run alone; then those marked `launchers`, under the real srun, sbatch, mpirun and mpiexec
-# on a one-host SLURM cluster of their own (tests/test_real_launchers.py, about a minute and a half).
+# reported), run alone; then those marked `cluster`: under the real srun, sbatch, mpirun and mpiexec
+# on a one-host SLURM cluster of their own (tests/test_real_launchers.py, 1-2 minutes), and three nodes
+# in network namespaces, one losing its link (tests/test_three_nodes.py, about a minute).
 # Extra arguments go to pytest (both parts); UNISON_SKIP_FRESH_ENV=1 skips the fresh environment for a
 # quick local re-run (CI never sets it).
 set -euo pipefail
@@ -32,7 +33,7 @@ launchers_pid=$!
 run_part() { "$PY" -m pytest "$@" || { status=$?; [ "$status" -eq 5 ] || return "$status"; }; }
 
 parallel=0
-run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile -m "not serial and not launchers" "$@" || parallel=$?
+run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile -m "not serial and not cluster" "$@" || parallel=$?
 fresh=0
 if [ -n "$fresh_pid" ]; then
   wait "$fresh_pid" || fresh=$?
@@ -41,9 +42,11 @@ if [ -n "$fresh_pid" ]; then
   [ "$fresh" -eq 0 ] || echo "[fresh env] FAILED (exit $fresh): see the lines above"
 fi
 serial=0
-run_part -m "serial and not launchers" "$@" || serial=$?
+run_part -m "serial and not cluster" "$@" || serial=$?
 launchers=0
 wait "$launchers_pid" || launchers=$?
 cat "$launchers_log"
-[ "$launchers" -eq 0 ] && { run_part -m launchers "$@" || launchers=$?; }
-[ "$parallel" -eq 0 ] && [ "$fresh" -eq 0 ] && [ "$serial" -eq 0 ] && [ "$launchers" -eq 0 ]
+[ "$launchers" -eq 0 ] || echo "[launchers] FAILED to install (exit $launchers): see the lines above"
+cluster=0
+run_part -m cluster "$@" || cluster=$?
+[ "$parallel" -eq 0 ] && [ "$fresh" -eq 0 ] && [ "$serial" -eq 0 ] && [ "$launchers" -eq 0 ] && [ "$cluster" -eq 0 ]

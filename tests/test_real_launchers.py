@@ -7,7 +7,7 @@ cluster users run. What the real launchers showed and the hand-written variables
 the library and checked here: two srun tasks each running `unison launch` formed two separate runs (now
 refused in every task); ranks outliving rank 0, which serves the store under srun and mpirun, printed
 torch's "recvValue failed" C++ traces after runs that succeeded (rank 0 now serves until the others are
-done). Marked `launchers`: scripts/test.sh runs them after the suite (`pytest -m launchers`).
+done). Marked `cluster`: scripts/test.sh runs them after the suite (`pytest -m cluster`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from launching import REPO_ROOT
 
 Completed = subprocess.CompletedProcess
 
-pytestmark = pytest.mark.launchers
+pytestmark = pytest.mark.cluster
 
 GPT = REPO_ROOT / "examples" / "gpt" / "train.py"
 MPI_WORKER = REPO_ROOT / "tests" / "workers" / "mpi_env_worker.py"

@@ -140,7 +140,17 @@ def _socket_interface(layout: ProcessLayout) -> dict[str, str]:
 
 
 def _attempt_prefix() -> str:
-    """The store keys of this restart attempt (torch's agent counts the attempts)."""
+    """The store keys of this restart attempt.
+
+    Only a store that outlives the attempt needs them namespaced: the agent's under the static rendezvous,
+    where every node restarts together and torch's agents count the same attempts. Anywhere else the store
+    is new with each attempt (rank 0 serves it: c10d rendezvous, whose launcher sets
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, srun, mpirun), and the count must not be used: torch's agents
+    count restarts per node (one after a worker failure, none when another node is waiting), so after a
+    node was lost the survivors met under attempt0/ and attempt1/ and never formed a group
+    (tests/test_three_nodes.py)."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+        return "unison/"
     return f"unison/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
 
