@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -32,6 +31,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import REPO_ROOT
+from namespaces import cannot_make_namespaces, ip
 
 WORKER = "tests/workers/multi_node_worker.py"
 NODE_A, NODE_B = "10.213.0.1", "10.213.0.2"
@@ -66,25 +66,10 @@ class Run:
         return torch.load(self.out / "params.pt")
 
 
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-def _cannot_make_namespaces() -> str | None:
-    """Why two namespaces cannot be made here, or None when they can."""
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux's"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    if os.geteuid() != 0:
-        return f"creating network namespaces needs root (running as uid {os.geteuid()})"
-    return None
-
-
 @pytest.fixture(scope="module")
 def namespaces():
     """Two namespaces, A (10.213.0.1) and B (10.213.0.2), joined by a veth pair; removed afterwards."""
-    reason = _cannot_make_namespaces()
+    reason = cannot_make_namespaces()
     if reason:
         pytest.skip(reason)
     pid = os.getpid()
@@ -104,14 +89,14 @@ def namespaces():
                 ("-n", name, "link", "set", "lo", "up"),
             ]
         for step in steps:
-            result = _ip(*step)
+            result = ip(*step)
             if result.returncode != 0:
                 pytest.skip(f"`ip {' '.join(step)}` failed here: {result.stderr.strip()}")
         yield dict(zip(("a", "b"), names)) | {"links": links}
     finally:
-        _ip("link", "delete", links[0])  # only left where moving it into its namespace failed
+        ip("link", "delete", links[0])  # only left where moving it into its namespace failed
         for name in names:
-            _ip("netns", "delete", name)  # takes the veth end inside it along
+            ip("netns", "delete", name)  # takes the veth end inside it along
 
 
 def _start(out: Path, launch_args: list[str], namespace: str | None = None, env: dict | None = None) -> Run:

@@ -58,6 +58,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import REPO_ROOT
+from namespaces import cannot_make_namespaces, ip
 
 pytestmark = pytest.mark.cluster  # about a minute: scripts/test.sh runs it after the suite
 
@@ -133,20 +134,6 @@ class Run:
         took = f"after {self.ended - self.started:.1f} s" if self.ended else "still running"
         killed = " (killed by the test for overstaying)" if self.killed else ""
         return f"exit code {self.returncode}{killed} {took}\n{self.output}"
-
-
-def _ip(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
-
-
-def _cannot_make_namespaces() -> str | None:
-    if not sys.platform.startswith("linux"):
-        return "network namespaces are Linux's"
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
-    if os.geteuid() != 0:
-        return f"creating network namespaces needs root (running as uid {os.geteuid()})"
-    return None
 
 
 # -- a link with latency ------------------------------------------------------------------------------
@@ -225,7 +212,7 @@ class DelayLine:
 @pytest.fixture(scope="module")
 def nodes():
     """Namespaces A, B, C (and the hub) on two networks; node C's link on network 1 delayed by DELAY."""
-    reason = _cannot_make_namespaces()
+    reason = cannot_make_namespaces()
     if reason:
         pytest.skip(reason)
     pid = os.getpid()
@@ -235,7 +222,7 @@ def nodes():
     made: list[str] = []
 
     def run(*step: str) -> None:
-        result = _ip(*step)
+        result = ip(*step)
         if result.returncode != 0:
             pytest.skip(f"`ip {' '.join(step)}` failed here: {result.stderr.strip()}")
 
@@ -285,7 +272,7 @@ def nodes():
         if delay_line is not None:
             delay_line.close()
         for name in made:
-            _ip("netns", "delete", name)  # takes the links inside it along
+            ip("netns", "delete", name)  # takes the links inside it along
 
 
 # -- the runs -------------------------------------------------------------------------------------------
@@ -368,7 +355,7 @@ def runs(nodes, tmp_path_factory):
                 return
             if started["elastic_b"].ended:
                 return
-            result = _ip("-n", nodes["b"], "link", "set", f"{nodes['links']['b']}0", "down")
+            result = ip("-n", nodes["b"], "link", "set", f"{nodes['links']['b']}0", "down")
             assert result.returncode == 0, result.stderr
             events["link_down"] = time.monotonic()
             (out.parent / "link_down.txt").write_text(
