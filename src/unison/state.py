@@ -101,11 +101,10 @@ def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
     still holds the keys of the failed attempt (pytorch#135712): namespacing the group's keys by the
     restart count lets a restarted attempt form a fresh group. Under SLURM, rank 0 hosts the store.
     """
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
     store = dist.TCPStore(
         host_name=layout.master_addr,
         port=layout.master_port,
-        world_size=None if agent_hosts_store else layout.world_size,
+        world_size=None if _agent_serves_the_store() else layout.world_size,
         is_master=_hosts_the_store(layout),
         timeout=timeout,
         wait_for_workers=False,
@@ -113,9 +112,14 @@ def _rendezvous_store(layout: ProcessLayout, timeout: timedelta) -> dist.Store:
     return dist.PrefixStore(_attempt_prefix(), store)
 
 
+def _agent_serves_the_store() -> bool:
+    """Whether torchrun's agent serves the rendezvous store (it outlives restart attempts)."""
+    return os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true"
+
+
 def _hosts_the_store(layout: ProcessLayout) -> bool:
     """Whether this process serves the rendezvous store: rank 0, unless torchrun's agent serves it."""
-    return layout.rank == 0 and os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true"
+    return layout.rank == 0 and not _agent_serves_the_store()
 
 
 def _socket_interface(layout: ProcessLayout) -> dict[str, str]:
@@ -149,7 +153,7 @@ def _attempt_prefix() -> str:
     count restarts per node (one after a worker failure, none when another node is waiting), so after a
     node was lost the survivors met under attempt0/ and attempt1/ and never formed a group
     (tests/test_three_nodes.py)."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() != "true":
+    if not _agent_serves_the_store():
         return "unison/"
     return f"unison/attempt{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
 
