@@ -11,7 +11,8 @@ What it adds to a bare torchrun:
   (`rendezvous.OneNodeRendezvous`), so two launches on one machine never collide, and the workers'
   gloo/NCCL sockets bind loopback too;
 - several nodes: the workers' sockets use the interface that reaches the rendezvous address
-  (`network`), and a node whose peers never arrive ends with one line naming the endpoint;
+  (`network`), and a node whose peers never arrive ends with one line naming the endpoint; a c10d
+  node cut off from the rendezvous host ends too, where torch's agent would wait for good (`contact`);
 - every line a worker prints is prefixed with its global rank ("[rank1]: ...");
 - a failed run returns a non-zero exit code with one short summary instead of torch's report
   (`launch_report.py`), the failing rank's own traceback having been printed (prefixed) by the worker;
@@ -38,7 +39,7 @@ from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 from .. import env_vars, network
 from ..env_vars import validate_mixed_precision
 from ..parallel.config import ParallelismConfig, is_auto
-from . import rendezvous
+from . import contact, rendezvous
 from .options import LaunchError, LaunchOptions, compile_variables, parse_nnodes, usable_cpu_count, validate
 from .report import quiet_agent_shutdown, report_failure
 
@@ -197,7 +198,7 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
             f"--rdzv-endpoint={options.rdzv_endpoint}",
             f"--rdzv-id={options.rdzv_id}",
         ]
-        conf = _c10d_conf(options.rdzv_conf, host, timeout, elastic=min_nodes < max_nodes)
+        conf = c10d_conf(options)
         if conf:
             argv.append(f"--rdzv-conf={conf}")
         if local_addr is None:
@@ -216,17 +217,21 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
     return [*argv, options.script, *options.script_args]
 
 
-def _c10d_conf(given: str, host: str, timeout: int | None, elastic: bool) -> str:
+def c10d_conf(options: LaunchOptions) -> str:
     """--rdzv-conf for c10d: the user's settings, plus the timeouts and is_host it leaves unset.
 
     An elastic range (--nnodes 1:2) keeps torch's join_timeout (600 s): after a node is lost, the
     others wait for its heartbeat to lapse and then for the last call (30 s) before they go on
     without it, longer than a --timeout sized for collectives (measured: 20 s ended the restart).
     """
+    given = options.rdzv_conf
+    host, _ = rendezvous_endpoint(options)
+    min_nodes, max_nodes = parse_nnodes(options.nnodes)
+    timeout = None if options.timeout is None else math.ceil(options.timeout)
     keys = {item.split("=", 1)[0].strip() for item in given.split(",") if item.strip()}
     added = {}
     if timeout is not None:
-        if not elastic:
+        if min_nodes == max_nodes:
             added["join_timeout"] = timeout
         added["read_timeout"] = min(timeout, C10D_READ_TIMEOUT_SECONDS)
     address = _network(network.resolve, host, "--rdzv-endpoint")
@@ -293,7 +298,7 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
         env.update(compile_variables(options))
         if sources is not None:
             env[env_vars.CONFIG_SOURCES] = sources
-        with exported(env), quiet_agent_shutdown():
+        with exported(env), quiet_agent_shutdown(), _contact_watch(options):
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:
                 torchrun.run(torchrun.get_args_parser().parse_args(argv))
@@ -305,6 +310,19 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
                 logger.error("unison launch: stopped by %s; the workers were terminated.", error.sigval.name)
                 return 128 + int(error.sigval)
     return 0
+
+
+def _contact_watch(options: LaunchOptions) -> contextlib.AbstractContextManager:
+    """A c10d node that does not host the rendezvous ends once it has lost it (`contact`)."""
+    if not options.rdzv_endpoint:
+        return contextlib.nullcontext()  # one node, or static: no keep-alive thread to block
+    conf = c10d_conf(options)
+    host, port = rendezvous_endpoint(options)
+    if contact.hosts_the_rendezvous(conf) or network.is_loopback(
+        _network(network.resolve, host, "--rdzv-endpoint")
+    ):
+        return contextlib.nullcontext()
+    return contact.watching(host, port, conf)
 
 
 def _report_rendezvous_failure(error: BaseException, options: LaunchOptions) -> int:
