@@ -31,7 +31,9 @@ stop() {
 start() {
   local host cpus port
   host="$(hostname)"
-  cpus="$(nproc)"
+  # nproc obeys OMP_NUM_THREADS (a test or a cluster profile setting 1 made a node of 1 CPU, where
+  # `srun -n2` waits forever): count the cores this process may run on without it
+  cpus="$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)"
   port=$((20000 + $(printf '%s' "$dir" | cksum | cut -d' ' -f1) % 20000))
   mkdir -p "$dir/state" "$dir/spool" "$dir/log"
   cat > "$conf" <<EOF

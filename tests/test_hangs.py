@@ -90,6 +90,30 @@ def test_a_named_barrier_reports_the_rank_that_never_arrived():
     )
 
 
+def test_a_rank_missing_from_ddps_all_reduce_in_backward_is_found_at_the_stall_timeout():
+    """DDP issues its gradient all-reduce from C++ inside backward, under no Python frame of
+    torch.distributed. Rank 0 waits there while rank 1 never reaches its backward: reported at the 4 s stall
+    timeout like any collective (before, the process group's timeout ended it 60 s later, and the report
+    said rank 0 "never arrived")."""
+    launch_args = ["--timeout", "4", "--gradient-accumulation-steps", "2"]
+    result = launch(WORKER, 2, "ddp-backward", launch_args=launch_args, timeout=120)
+    assert result.returncode == 1, describe(result)
+    report = result.stderr
+    assert "[rank0]: [unison] hang: rank 0 waited 4 s in a collective (the stall timeout)" in report, (
+        describe(result)
+    )
+    assert "ranks [0] wait in collectives, ranks [1] never arrived" in report, describe(result)
+    backward = line_of("accelerator.backward(model(")
+    assert (
+        "[rank0]:   rank 0: in DDP's gradient all-reduce #" in report
+        and f"called at tests/workers/hang_worker.py:{backward} in <module>" in report
+    ), describe(result)
+    assert (
+        f"rank 1: is not in a collective: at tests/workers/hang_worker.py:{line_of('sleep(3600)  # a rank')}"
+        in report
+    ), describe(result)
+
+
 @pytest.mark.parametrize("debug", [False, True], ids=["default", "debug"])
 def test_collectives_of_different_shapes(debug):
     """All-reduces of 1 and 2 elements: by default the watchdog reports them (same collective and sequence

@@ -126,6 +126,33 @@ def test_a_group_counts_the_collectives_it_issued():
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
+def test_every_backward_runs_the_engine_through_engine_run_backward():
+    """unison.health.position recognises a main thread inside backward by its frame of
+    torch/autograd/graph.py's private `_engine_run_backward` (there DDP's all-reduce waits): loss.backward()
+    and torch.autograd.grad both pass through it."""
+    import os
+    import sys as system
+
+    from unison.health import position
+
+    seen = []
+
+    def record(grad):
+        frame = system._getframe()
+        while frame is not None:
+            seen.append((frame.f_code.co_filename, frame.f_code.co_name))
+            frame = frame.f_back
+        return grad
+
+    x = torch.ones(2, requires_grad=True)
+    x.register_hook(record)
+    (x * 2).sum().backward()
+    torch.autograd.grad((x * 3).sum(), x)
+    engine = (os.path.join(os.path.dirname(torch.__file__), "autograd", "graph.py"), "_engine_run_backward")
+    assert position._AUTOGRAD_ENGINE == engine
+    assert seen.count(engine) == 2, seen
+
+
 def test_torch_dispatch_mode_sees_c10d_collectives():
     """tests/workers/collective_bytes.py (tests and benchmarks only) counts the bytes of collectives with a
     TorchDispatchMode from torch.utils._python_dispatch, reading each c10d op's payload argument."""

@@ -6,11 +6,15 @@ these check the rules that decide what is a divergence and how a report reads.
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
 import torch
 import torch.distributed as dist
 
-from unison.health.position import Position, traceback_position
+from unison.health.position import DDP_ALL_REDUCE, Position, traceback_position
 from unison.health.watchdog import DIVERGENCE_CHECK_SECONDS, diagnosis, diverged
 
 
@@ -57,6 +61,59 @@ def test_ranks_of_other_groups_point_to_point_and_computing_ranks_are_not_compar
     positions = {0: (in_collective(), LONG), 1: (running, LONG), 2: (other_group, LONG), 3: None}
     assert diverged(positions) == []
     assert diverged({0: (send, LONG), 1: (recv, LONG)}) == []
+
+
+def test_ranks_in_ddps_all_reduce_are_not_compared_by_sequence_number():
+    """A rank still computing gradients between DDP's buckets has issued fewer all-reduces than one that
+    waits for its last: other sequence numbers there are no divergence (a stall there is reported at the
+    stall timeout)."""
+    waiting, computing = (
+        in_collective(op=DDP_ALL_REDUCE, seq=9, shapes=()),
+        in_collective(op=DDP_ALL_REDUCE, seq=7, shapes=()),
+    )
+    assert diverged({0: (waiting, LONG), 1: (computing, LONG)}) == []
+    assert diverged({0: (waiting, LONG), 1: (in_collective(seq=9), LONG)}) == []
+
+
+def test_a_backward_is_in_ddps_all_reduce_once_its_group_issued_collectives_after_the_armed_forward():
+    """health.position.note_gradient_sync (called after each forward of a prepared DDP model): a backward
+    whose group has issued collectives since is DDP's all-reduce; one that has not, or one whose forward did
+    not arm the all-reduce (no_sync), is computing. Checked on the traceback of an error raised inside
+    backward, in a one-process gloo group (a subprocess: the group is not left in this one)."""
+    script = textwrap.dedent(
+        """
+        import torch, torch.distributed as dist
+        from unison.health import position
+
+        dist.init_process_group("gloo", rank=0, world_size=1, init_method="tcp://127.0.0.1:0")
+
+        def where_backward_raises():
+            x = torch.ones(2, requires_grad=True)
+            y = x * 2
+            y.register_hook(lambda grad: 1 / 0)
+            try:
+                y.sum().backward()
+            except ZeroDivisionError as error:
+                found = position.traceback_position(error.__traceback__)
+                return found.kind, found.op, found.seq
+
+        group = dist.group.WORLD
+        position.note_gradient_sync(group, True)
+        print(where_backward_raises())  # nothing issued since the forward: computing
+        dist.all_reduce(torch.ones(1))  # what DDP issues from C++ as its buckets fill
+        print(where_backward_raises())
+        position.note_gradient_sync(group, False)  # a forward under no_sync
+        print(where_backward_raises())
+        dist.destroy_process_group()
+        """
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines() == [
+        "('running', '', None)",
+        f"('collective', {DDP_ALL_REDUCE!r}, 1)",
+        "('running', '', None)",
+    ], result.stdout
 
 
 def test_a_stall_report_names_who_waits_where_who_never_arrived_and_who_did_not_answer():

@@ -15,9 +15,11 @@ import logging
 from typing import Any
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from .data import DataLoaderDispatcher, DataLoaderShard, prepare_data_loader
+from .health.position import note_gradient_sync
 from .optim import AcceleratedOptimizer, AcceleratedScheduler
 from .parallel.apply import (
     attach_loss_parallel,
@@ -181,6 +183,8 @@ class PreparationMethods:
         )
         if deferred is not None:
             deferred.after_parallelize(prepared)
+        if isinstance(prepared, DistributedDataParallel):  # DDP, ZeRO-1
+            prepared.register_forward_hook(_note_gradient_sync)
         replaced = replaced_parameters(before, unwrap(prepared))
         self._check_no_optimizer_holds(replaced)
         self._replaced_parameters.update(replaced)
@@ -339,3 +343,9 @@ class PreparationMethods:
         self._remember(data_loader, prepared)
         self._dataloaders.append(prepared)
         return prepared
+
+
+def _note_gradient_sync(model: DistributedDataParallel, args: Any, output: Any) -> None:
+    """After each forward of a DDP model: whether its backward all-reduces, for the hang watchdog, which
+    cannot see that all-reduce otherwise (health/position.py)."""
+    note_gradient_sync(model.process_group, model.require_forward_param_sync)

@@ -38,7 +38,7 @@ logger = logging.getLogger("unison")
 
 BACKSTOP_SECONDS = 60.0
 """The process group's own timeout is the watchdog's limit plus this: it ends the waits the watchdog
-cannot see (collectives torch issues from C++, such as DDP's in backward)."""
+cannot see (collectives torch issues from C++, other than DDP's in backward: health/position.py)."""
 
 
 class DistributedType(str, enum.Enum):

@@ -7,6 +7,9 @@ diverge:      rank 1 catches an exception and skips accelerator.reduce, going on
 barrier:      rank 1 never reaches wait_for_everyone("after-eval"): the stall report names the barrier
               and the rank that never arrived.
 mismatch:     rank 0 all-reduces 1 element, rank 1 two (run with --debug: refused on every rank at once).
+ddp-backward: a DDP model, accumulation 2 (launch with --gradient-accumulation-steps 2); after the first
+              optimizer step rank 1 stops before its synchronised backward while rank 0 waits in the
+              all-reduce DDP issues from C++ inside backward: the stall timeout reports it.
 """
 
 import sys
@@ -57,6 +60,15 @@ elif mode == "barrier":
     accelerator.wait_for_everyone("after-eval")
 elif mode == "mismatch":
     dist.all_reduce(torch.ones(rank + 1))
+elif mode == "ddp-backward":
+    model, optimizer = accelerator.prepare(torch.nn.Linear(4, 2), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+    for step in range(4):  # micro-steps; 1 ends the first optimizer step, 3 is synchronised again
+        with accelerator.accumulate(model):
+            if rank == 1 and step == 3:
+                time.sleep(3600)  # a rank that stops before its backward (a lost node, a stuck read)
+            accelerator.backward(model(torch.ones(2, 4)).sum())  # DDP all-reduces the gradients in here
+            optimizer.step()
+            optimizer.zero_grad()
 else:
     raise SystemExit(f"unknown mode {mode!r}")
 print(f"rank {rank} finished {mode}, which must not happen")

@@ -11,6 +11,9 @@ the saved global batch per optimizer step).
 Options:
 - --accumulation G: the script's gradient_accumulation_steps (default 2: 24 samples per optimizer step
   on 3 processes, 16 on 2). A resumed run gets what the checkpoint's global batch needs instead.
+- --log-at-optimizer-steps: all-reduce (log) the loss only when the optimizer steps, as scripts that log
+  once per step do, instead of after every micro-step: the only collective of a micro-step is then
+  DDP's gradient all-reduce inside backward, the one a lost node leaves the others waiting in.
 - --stop-after K: end cleanly after optimizer step K (and its save).
 - --hold-after K: once (while OUT/held does not exist), when the save of step K has returned, write
   OUT/held and wait (at most HOLD_SECONDS) until OUT/go exists, then go on into step K + 1. The test
@@ -50,6 +53,7 @@ def main() -> None:
     parser.add_argument("out", type=Path)
     parser.add_argument("--accumulation", type=int, default=2)
     parser.add_argument("--save", action="store_true")
+    parser.add_argument("--log-at-optimizer-steps", action="store_true")
     parser.add_argument("--stop-after", type=int, default=None)
     parser.add_argument("--hold-after", type=int, default=None)
     args = parser.parse_args()
@@ -101,7 +105,8 @@ def main() -> None:
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()
-            losses.append(accelerator.reduce(loss.detach(), "mean").item())  # the mean loss, as logged
+            if accelerator.sync_gradients or not args.log_at_optimizer_steps:
+                losses.append(accelerator.reduce(loss.detach(), "mean").item())  # the mean loss, as logged
             if not accelerator.sync_gradients:
                 continue
             step = accelerator.optimizer_steps

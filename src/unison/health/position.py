@@ -7,9 +7,16 @@ It reads Python frames only (the main thread's, sampled with `sys._current_frame
 so it costs nothing until asked: no collective is wrapped. A collective is recognised by the public
 function of torch.distributed it was called through (its frame's arguments give the tensors and the
 group); a wait elsewhere inside torch.distributed (FSDP's prefetch, pipeline schedules) is reported as
-"in torch.distributed" with the innermost function. Collectives that torch issues from C++ (DDP's
-gradient all-reduce inside backward) are invisible here: the process group's own timeout is their
-backstop, and the failure hook describes them from the error it raises.
+"in torch.distributed" with the innermost function.
+
+DDP's gradient all-reduce is issued from C++ inside backward, under no Python frame of torch.distributed:
+the main thread shows only the autograd engine. After each forward of a DDP model, `note_gradient_sync`
+records whether its backward will all-reduce and the group's sequence number then; a main thread in the
+autograd engine whose group has issued collectives since is in DDP's all-reduce (op DDP_ALL_REDUCE),
+waiting for its last buckets, or computing the gradients between two of them. Before that (a backward
+under no_sync, or one that has not filled a bucket yet) it is computing, "running". Without it, a rank
+whose peer vanished mid-backward looked as if it ran, and only the process group's timeout (the stall
+timeout + 60 s) ended it, reported as "never arrived" (seen when a node's link went down, issue 28).
 """
 
 from __future__ import annotations
@@ -29,6 +36,15 @@ import torch.distributed as dist
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _DISTRIBUTED_DIR = os.path.join(_TORCH_DIR, "distributed") + os.sep
 _C10D_FILE = os.path.join(_DISTRIBUTED_DIR, "distributed_c10d.py")
+_AUTOGRAD_ENGINE = (os.path.join(_TORCH_DIR, "autograd", "graph.py"), "_engine_run_backward")
+"""The frame through which every backward (loss.backward(), torch.autograd.backward/grad) runs the engine:
+a private function's name, pinned by tests/test_torch_private_apis.py."""
+
+DDP_ALL_REDUCE = "DDP's gradient all-reduce"
+"""Position.op of a rank in a backward that DDP reduces (see the module docstring)."""
+
+_armed_sync: tuple[Any, int] | None = None
+"""(DDP's process group, its sequence number) after the last forward whose backward all-reduces."""
 # the whole package (this module is in its health/ wing): frames there are unison's, not the user's
 _UNISON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
@@ -126,6 +142,13 @@ class Position:
         )
 
 
+def note_gradient_sync(group: Any, armed: bool) -> None:
+    """After a forward of a DDP model over `group`: `armed` says its backward all-reduces the gradients
+    (DDP's require_forward_param_sync: outside no_sync, with gradients enabled)."""
+    global _armed_sync
+    _armed_sync = (group, sequence_number(group) or 0) if armed else None
+
+
 def main_thread_position() -> Position | None:
     """Where the main thread is now (None if it has no Python frame, e.g. during shutdown).
 
@@ -184,6 +207,21 @@ def locate(frames: list[FrameType]) -> Position:
             via=via,
             frames=lines,
         )
+    sync = _armed_sync
+    if sync is not None and any(_is_autograd_engine(f) for f in frames):
+        group, armed_at = sync
+        seq = sequence_number(group)
+        if seq is not None and seq > armed_at:  # this backward has issued DDP's all-reduce
+            return Position(
+                kind="collective",
+                call_site=call_site,
+                innermost=innermost,
+                op=DDP_ALL_REDUCE,
+                group_ranks=_group_ranks(group),
+                seq=seq,
+                via=via,
+                frames=lines,
+            )
     in_distributed = [f for f in frames if f.f_code.co_filename.startswith(_DISTRIBUTED_DIR)]
     if in_distributed:
         return Position("distributed", call_site, _show(in_distributed[-1]), via=via, frames=lines)
@@ -215,6 +253,10 @@ def _group_ranks(group: Any) -> tuple[int, ...]:
 
 def _is_c10d_api(frame: FrameType) -> bool:
     return frame.f_code.co_filename == _C10D_FILE and not frame.f_code.co_name.startswith("_")
+
+
+def _is_autograd_engine(frame: FrameType) -> bool:
+    return (frame.f_code.co_filename, frame.f_code.co_name) == _AUTOGRAD_ENGINE
 
 
 def _is_user_code(filename: str) -> bool:

@@ -333,7 +333,7 @@ def diverged(positions: dict[int, tuple[Position, float] | None]) -> list[tuple[
     known = [(rank, found) for rank, found in positions.items() if found and found[0].kind == "collective"]
     for i, (rank_a, (a, blocked_a)) in enumerate(known):
         for rank_b, (b, blocked_b) in known[i + 1 :]:
-            if a.group_ranks != b.group_ranks or {a.op, b.op} & _POINT_TO_POINT:
+            if a.group_ranks != b.group_ranks or {a.op, b.op} & _NOT_COMPARED:
                 continue
             if a.seq == b.seq and not a.same_call(b):
                 pairs.append((rank_a, rank_b))
@@ -342,7 +342,10 @@ def diverged(positions: dict[int, tuple[Position, float] | None]) -> list[tuple[
     return pairs
 
 
-_POINT_TO_POINT = {"send", "recv", "isend", "irecv", "batch_isend_irecv"}
+_NOT_COMPARED = {"send", "recv", "isend", "irecv", "batch_isend_irecv", where.DDP_ALL_REDUCE}
+"""Collectives whose sequence numbers say nothing of a divergence: point-to-point (each pair counts its
+own), and DDP's all-reduce (a rank still computing gradients has issued fewer buckets than one that
+waits for the last); a stall in them is reported at the timeout instead."""
 
 
 def diagnosis(
