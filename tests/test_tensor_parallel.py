@@ -237,7 +237,7 @@ def test_llama_plan_from_module_names():
 
 
 def test_model_without_a_known_layout_is_asked_for_a_plan():
-    with pytest.raises(ValueError, match=r"matches no built-in tensor-parallel layout.*tp_plan=\{"):
+    with pytest.raises(ValueError, match=r"matches no built-in layout.*tp_plan=\{"):
         tensor_parallel_plan(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 4)))
 
 

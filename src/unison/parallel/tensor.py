@@ -44,6 +44,7 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .fused import FusedColwiseParallel, permute_fused_projections
+from .transformers_plans import carried_plan, translate_plan
 
 logger = logging.getLogger("unison")
 
@@ -93,7 +94,7 @@ def _require_types(patterns: Mapping[str, nn.Module], wanted: Mapping[str, type]
             raise ValueError(
                 f"{pattern} is a {type(module).__name__}, but the built-in tensor-parallel plan needs an "
                 f"nn.{kind.__name__} there (Hugging Face GPT-2, for one, uses Conv1D). Pass your own plan, "
-                f"e.g. {_PLAN_EXAMPLE}."
+                f"{_example_plan(patterns)}"
             )
 
 
@@ -145,9 +146,30 @@ def _detect_layout(model: nn.Module) -> tuple[str, dict[str, str], dict[str, nn.
         if roles is not None:
             return layout, roles, patterns
     raise ValueError(
-        f"{type(model).__name__} matches no built-in tensor-parallel layout (GPT/GPT-2 names "
-        "attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; Llama names q_proj, k_proj, v_proj, o_proj, "
-        f"gate_proj, up_proj, down_proj). Pass your own plan, e.g. {_PLAN_EXAMPLE}."
+        f"{type(model).__name__} carries no tensor-parallel plan (transformers' model.tp_plan) and matches "
+        "no built-in layout (GPT/GPT-2 names attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj; Llama names "
+        f"q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj). Pass your own plan, "
+        f"{_example_plan(patterns)}"
+    )
+
+
+def _example_plan(patterns: Mapping[str, nn.Module]) -> str:
+    """An example plan in the model's own module names: the projections of its repeated block, in order,
+    the first split by columns and the last by rows (else the generic example)."""
+    blocks: dict[str, list[str]] = {}
+    for pattern, module in patterns.items():
+        if "*" in pattern and type(module).__name__ in ("Linear", "Conv1D"):
+            blocks.setdefault(pattern[: pattern.index("*") + 1], []).append(pattern)
+    if not blocks or len(projections := next(iter(blocks.values()))) < 2:
+        return f"e.g. {_PLAN_EXAMPLE}."
+    conv1d = any(type(patterns[name]).__name__ == "Conv1D" for name in projections)
+    return (
+        f"naming its block's projections, which are, in order, {projections}: split by columns "
+        "(ColwiseParallel()) those whose outputs another projection takes, by rows (RowwiseParallel()) "
+        f"those that combine them, e.g. tp_plan={{{projections[0]!r}: ColwiseParallel(), ..., "
+        f"{projections[-1]!r}: RowwiseParallel()}} (styles from torch.distributed.tensor.parallel"
+        + ("; a Conv1D stores its weight transposed: replace it by an nn.Linear first" if conv1d else "")
+        + ")."
     )
 
 
@@ -178,13 +200,19 @@ def _check_sequence_parallel_roles(
 def tensor_parallel_plan(
     model: nn.Module, sequence_parallel: bool = False, loss_parallel: bool = False
 ) -> dict[str, ParallelStyle]:
-    """The built-in plan for `model`'s layout (GPT/GPT-2 or Llama names), to apply or to edit.
+    """The plan unison applies when none is given, to apply or to edit.
 
-    `sequence_parallel`: norms and the residual stream split over the sequence (dim 1) between the
-    parallel regions. `loss_parallel`: the head returns logits as a DTensor sharded over the
-    vocabulary (cross-entropy and backward then go inside `loss_parallel()`). A model that matches no
-    layout raises ValueError showing the shape of a plan to pass instead.
+    A Hugging Face transformers model that carries its own plan (`model.tp_plan`) gets that plan,
+    translated (`transformers_plans`); other models, and any model asked for `sequence_parallel` or
+    `loss_parallel` (which transformers' plans do not describe), the built-in plan for their layout
+    (GPT/GPT-2 or Llama names). `sequence_parallel`: norms and the residual stream split over the
+    sequence (dim 1) between the parallel regions. `loss_parallel`: the head returns logits as a DTensor
+    sharded over the vocabulary (cross-entropy and backward then go inside `loss_parallel()`). A model
+    that matches no layout raises ValueError showing the shape of a plan to pass instead.
     """
+    carried = carried_plan(model)
+    if carried and not (sequence_parallel or loss_parallel):
+        return translate_plan(model, carried)
     layout, roles, patterns = _detect_layout(model)
     rep, seq = Replicate(), Shard(1)
     between = seq if sequence_parallel else rep  # layout of the residual stream outside the blocks' matmuls

@@ -1,0 +1,103 @@
+"""Tensor parallelism from the plan a Hugging Face model carries (unison.parallel.transformers_plans).
+
+One launch of tests/workers/hf_tp_plan_worker.py trains Qwen3, Phi3 and Olmo2 (tiny configs, no
+download) under tp_size=2 with no plan passed, against one process; the in-process tests check the
+translation, the refusals (a mixture of experts, a model with no plan and no known layout) and that
+the head-count check still applies to a carried plan.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from launching import WORKERS, launch_ok
+
+transformers = pytest.importorskip("transformers")
+
+from torch.distributed.tensor import Replicate, Shard  # noqa: E402
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  # noqa: E402
+
+from unison.parallel.fused import FusedColwiseParallel  # noqa: E402
+from unison.parallel.tensor import check_tensor_parallel, tensor_parallel_plan  # noqa: E402
+from unison.parallel.transformers_plans import PerShardNorm  # noqa: E402
+
+FAMILIES = ["qwen3", "phi3", "olmo2"]
+SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
+HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_tp") / "report.json"
+    launch_ok(WORKERS / "hf_tp_plan_worker.py", 2, out, *FAMILIES, timeout=600)
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_a_model_trains_from_its_own_plan_to_the_single_process_parameters(report, family):
+    """SGD with momentum, 3 steps of accumulation 2, clipping and a rate that changes every step.
+    Leaving Qwen3's q_norm/k_norm gradients unsummed (each rank's heads only) put it 7.9e-4 away."""
+    run = report[family]
+    assert run["keys_match"] and run["steps"] == 3, run
+    assert run["sharded_parameters"] >= 10, run  # the plan was applied: projections are DTensors
+    assert run["max_abs_diff"] < 1e-5 and run["loss_diff"] < 1e-5, run
+
+
+def test_the_carried_styles_become_torch_styles():
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, **HEADS, head_dim=16))
+    plan = tensor_parallel_plan(qwen3)
+    assert set(plan) == set(qwen3.tp_plan)
+    assert type(plan["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
+    assert type(plan["model.layers.*.self_attn.o_proj"]) is RowwiseParallel
+    assert isinstance(plan["model.layers.*.self_attn.q_norm"], PerShardNorm)
+    head = plan["lm_head"]  # colwise_gather_output: the logits whole on every rank
+    assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)
+    embedding = plan["model.embed_tokens"]  # embedding_rowwise
+    assert type(embedding) is RowwiseParallel and embedding.input_layouts == (Replicate(),)
+    phi3 = transformers.Phi3ForCausalLM(transformers.Phi3Config(**SHAPE, **HEADS, pad_token_id=0))
+    plan = tensor_parallel_plan(phi3)
+    split_input = plan["model.layers.*.self_attn.o_proj"]  # rowwise_split_input
+    assert type(split_input) is RowwiseParallel and split_input.input_layouts == (Replicate(),)
+    gathered = plan["model.layers.*.mlp.gate_up_proj"]
+    assert type(gathered) is ColwiseParallel and gathered.output_layouts == (Replicate(),)
+    assert not any(isinstance(style, FusedColwiseParallel) for style in plan.values())
+    # the built-in plan still serves sequence parallelism, which transformers' plans do not describe
+    plan = tensor_parallel_plan(qwen3, sequence_parallel=True)
+    assert plan["model.layers.*.self_attn"].desired_input_layouts == (Replicate(),)
+    assert plan["model.layers.*.input_layernorm"].sequence_sharding == (Shard(1),)
+
+
+def test_a_mixture_of_experts_plan_is_refused_naming_its_expert_entries():
+    mixtral = transformers.MixtralForCausalLM(
+        transformers.MixtralConfig(**SHAPE, **HEADS, num_local_experts=4)
+    )
+    with pytest.raises(ValueError) as refused:
+        tensor_parallel_plan(mixtral)
+    message = str(refused.value)
+    assert message.startswith("MixtralForCausalLM carries a tensor-parallel plan from transformers"), message
+    assert "'model.layers.*.mlp.experts': 'moe_tp_experts' (a mixture-of-experts style)" in message
+    assert "'model.layers.*.mlp.experts.gate_up_proj': 'packed_colwise' on a parameter" in message
+    assert "parallelism='dp_shard_size=N'" in message
+
+
+def test_a_model_without_a_plan_or_a_known_layout_is_shown_a_plan_in_its_own_names():
+    bert = transformers.BertModel(
+        transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4)
+    )
+    with pytest.raises(ValueError) as refused:
+        tensor_parallel_plan(bert)
+    message = str(refused.value)
+    assert "BertModel carries no tensor-parallel plan" in message, message
+    assert "'encoder.layer.*.attention.self.query', 'encoder.layer.*.attention.self.key'" in message
+    assert (
+        "tp_plan={'encoder.layer.*.attention.self.query': ColwiseParallel(), ..., "
+        "'encoder.layer.*.output.dense': RowwiseParallel()}"
+    ) in message
+
+
+def test_the_head_count_check_applies_to_a_carried_plan():
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, **HEADS, head_dim=16))
+    check_tensor_parallel(qwen3, 2)
+    with pytest.raises(ValueError, match="tp=4 must divide the number of attention key/value heads"):
+        check_tensor_parallel(qwen3, 4)

@@ -1,0 +1,134 @@
+"""Launched worker: Hugging Face decoders under tensor parallelism from the plan each carries
+(`model.tp_plan`, translated by unison.parallel.transformers_plans), against one process.
+
+Each family is built from a tiny config (no download) and trained STEPS SGD+momentum steps with 2
+accumulation micro-steps, gradient clipping and a scheduler that changes the rate every step, under
+`parallelism="tp_size=2"` (no plan passed: the model's own is used); the same model trains in this
+process, plain torch, on each step's whole batch. What each family's plan exercises:
+
+- qwen3: per-head q_norm / k_norm after column-split projections (replicated_with_grad_allreduce);
+- phi3: a packed q|k|v and a packed gate|up gathered whole (colwise_gather_output), split again for
+  the row-parallel projection (rowwise_split_input);
+- olmo2: q_norm / k_norm over the whole gathered projections, a column-split MLP.
+
+argv[1]: JSON report path (written by process 0); argv[2:]: families.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import transformers
+from torch.utils.data import DataLoader, TensorDataset
+
+from unison import Accelerator, PartialState
+
+STEPS = 3
+BATCH = 4
+ACCUMULATION = 2
+SEQ = 12
+VOCAB = 96
+SEED = 4321
+SHAPE = dict(
+    vocab_size=VOCAB,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=2 * SEQ,
+    use_cache=False,
+)
+FAMILIES = {
+    "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=16)),
+    "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**SHAPE, pad_token_id=0)),
+    "olmo2": lambda: transformers.Olmo2ForCausalLM(transformers.Olmo2Config(**SHAPE, pad_token_id=0)),
+}
+
+
+def make(family: str) -> torch.nn.Module:
+    torch.manual_seed(SEED)
+    return FAMILIES[family]()
+
+
+def make_optimizer(model: torch.nn.Module):
+    # SGD with momentum: its update is proportional to the gradient, so the parameters' distance from one
+    # process shows how far the gradients are (AdamW divides tiny gradients by their own size)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
+    return optimizer, scheduler
+
+
+def make_dataset() -> TensorDataset:
+    tokens = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def loss_of(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
+
+
+def reference(family: str) -> tuple[dict, list[float]]:
+    model = make(family)
+    optimizer, scheduler = make_optimizer(model)
+    ids, targets = make_dataset().tensors
+    losses = []
+    for step in range(STEPS):
+        rows = slice(step * BATCH, (step + 1) * BATCH)
+        loss = loss_of(model, ids[rows], targets[rows])
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return model.state_dict(), losses
+
+
+def train(family: str) -> dict:
+    accelerator = Accelerator(cpu=True, parallelism="tp_size=2", gradient_accumulation_steps=ACCUMULATION)
+    model = make(family)
+    optimizer, scheduler = make_optimizer(model)
+    loader = DataLoader(make_dataset(), batch_size=BATCH // ACCUMULATION)  # every TP rank: the same batch
+    model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
+    losses, window = [], []
+    for ids, targets in loader:
+        with accelerator.accumulate(model):
+            loss = loss_of(model, ids, targets)
+            accelerator.backward(loss)
+            window.append(loss.item())
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 0.5)
+            optimizer.step()
+            scheduler.step()
+            optimizer.zero_grad()
+        if len(window) == ACCUMULATION:
+            losses.append(sum(window) / ACCUMULATION)
+            window = []
+    full = accelerator.get_state_dict(model)
+    expected, expected_losses = reference(family)
+    result = {"loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "steps": len(losses)}
+    sharded = [
+        name for name, p in accelerator.unwrap_model(model).named_parameters() if hasattr(p, "placements")
+    ]
+    result["sharded_parameters"] = len(sharded)
+    if accelerator.is_main_process:
+        result["keys_match"] = sorted(full) == sorted(expected)
+        result["max_abs_diff"] = max((full[k] - v).abs().max().item() for k, v in expected.items())
+    return result
+
+
+def main() -> None:
+    out, families = Path(sys.argv[1]), sys.argv[2:]
+    state = PartialState(cpu=True)
+    report = {family: train(family) for family in families}
+    if state.is_main_process:
+        out.write_text(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
