@@ -47,6 +47,7 @@ import torch.distributed as dist
 from . import position as where
 from .elastic_record import record_for_the_elastic_agent
 from .position import Position
+from .processes import child_processes, is_running
 
 logger = logging.getLogger("unison")
 
@@ -293,7 +294,7 @@ class Watchdog:
             host, pid, serves_store = self.store.get(f"exited/{rank}").decode().split()
             if serves_store == "serves-store":  # it waits for this rank instead (_await_the_others_exit)
                 return
-            while time.monotonic() < deadline and (host != socket.gethostname() or _running(int(pid))):
+            while time.monotonic() < deadline and (host != socket.gethostname() or is_running(int(pid))):
                 time.sleep(0.05)
 
     def share_raised(self, here: Position) -> None:
@@ -395,23 +396,13 @@ def _dump_stacks(who: str) -> None:
     sys.stderr.write(f"[unison] Python stacks of {who}:\n")
     sys.stderr.flush()
     faulthandler.dump_traceback(all_threads=True)
-    children = [pid for pid in _children(os.getpid()) if _catches(pid, STACK_DUMP_SIGNAL)]
+    children = [pid for pid in child_processes(os.getpid()) if _catches(pid, STACK_DUMP_SIGNAL)]
     for pid in children:
         with contextlib.suppress(OSError):
             os.kill(pid, STACK_DUMP_SIGNAL)
     if children:
         sys.stderr.write(f"[unison] (stacks of its data-loader worker processes {children} follow)\n")
         time.sleep(0.5)
-
-
-def _children(pid: int) -> list[int]:
-    """Child processes (Linux /proc; elsewhere none)."""
-    found = []
-    with contextlib.suppress(OSError):
-        for task in os.listdir(f"/proc/{pid}/task"):
-            with open(f"/proc/{pid}/task/{task}/children") as file:
-                found += [int(child) for child in file.read().split()]
-    return found
 
 
 def _catches(pid: int, signum: int) -> bool:
@@ -421,15 +412,6 @@ def _catches(pid: int, signum: int) -> bool:
             if line.startswith("SigCgt:"):
                 return bool(int(line.split()[1], 16) >> (signum - 1) & 1)
     return False
-
-
-def _running(pid: int) -> bool:
-    """Whether process `pid` still runs (not ended, nor a zombie waiting to be reaped)."""
-    try:
-        with open(f"/proc/{pid}/stat") as file:
-            return file.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _catches_default(signum: int) -> bool:

@@ -30,9 +30,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 from torch.distributed.elastic.rendezvous import RendezvousParameters
+
+from ..health.processes import child_processes, is_running
 
 logger = logging.getLogger("unison")
 
@@ -153,7 +154,7 @@ def end_this_node() -> None:
     children = child_processes(os.getpid())
     _signal_groups(children, signal.SIGTERM)
     deadline = time.monotonic() + WORKER_GRACE_SECONDS
-    while any(_running(pid) for pid in children) and time.monotonic() < deadline:
+    while any(is_running(pid) for pid in children) and time.monotonic() < deadline:
         time.sleep(0.1)
     _signal_groups(children, signal.SIGKILL)
     time.sleep(0.5)  # torch's tailer threads print the workers' last lines
@@ -161,26 +162,6 @@ def end_this_node() -> None:
         with contextlib.suppress(Exception):
             stream.flush()
     os._exit(LOST_EXIT_CODE)
-
-
-def child_processes(parent: int) -> list[int]:
-    """The pids whose parent is `parent` (Linux's /proc; elsewhere none are known)."""
-    children = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            fields = stat.read_text().rsplit(")", 1)[1].split()  # after "(comm)": state, ppid, ...
-            if int(fields[1]) == parent:
-                children.append(int(stat.parent.name))
-    return children
-
-
-def _running(pid: int) -> bool:
-    """Alive and not a zombie (nobody reaps the workers: the agent's thread is blocked)."""
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
 
 
 def _signal_groups(pids: list[int], sig: signal.Signals) -> None:
