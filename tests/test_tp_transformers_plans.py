@@ -1,7 +1,8 @@
 """Tensor parallelism from the plan a Hugging Face model carries (unison.parallel.transformers_plans).
 
-One launch of tests/workers/hf_tp_plan_worker.py trains Qwen3, Phi3 and Olmo2 (tiny configs, no
-download) under tp_size=2 with no plan passed, against one process; the in-process tests check the
+Launches of tests/workers/hf_tp_plan_worker.py train Qwen3, Phi3 and Olmo2 (tiny configs, no download)
+under tp_size=2 with no plan passed, and Qwen3 under tp_size=2 beside dp_shard_size=2 (4 processes),
+against one process; the in-process tests check the
 translation, the refusals (a mixture of experts, a model with no plan and no known layout) and that
 the head-count check still applies to a carried plan.
 """
@@ -22,23 +23,28 @@ from unison.parallel.fused import FusedColwiseParallel  # noqa: E402
 from unison.parallel.tensor import check_tensor_parallel, tensor_parallel_plan  # noqa: E402
 from unison.parallel.transformers_plans import PerShardNorm  # noqa: E402
 
-FAMILIES = ["qwen3", "phi3", "olmo2"]
+RUNS = {("tp_size=2", 2): ["qwen3", "phi3", "olmo2"], ("tp_size=2,dp_shard_size=2", 4): ["qwen3"]}
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
 HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
 def report(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_tp") / "report.json"
-    launch_ok(WORKERS / "hf_tp_plan_worker.py", 2, out, *FAMILIES, timeout=600)
-    return json.loads(out.read_text())
+    found = {}
+    for (layout, world), families in RUNS.items():
+        out = tmp_path_factory.mktemp("hf_tp") / "report.json"
+        launch_ok(WORKERS / "hf_tp_plan_worker.py", world, out, layout, *families, timeout=600)
+        found.update({(layout, family): run for family, run in json.loads(out.read_text()).items()})
+    return found
 
 
-@pytest.mark.parametrize("family", FAMILIES)
-def test_a_model_trains_from_its_own_plan_to_the_single_process_parameters(report, family):
+@pytest.mark.parametrize(
+    "layout, family", [(key[0], family) for key, families in RUNS.items() for family in families]
+)
+def test_a_model_trains_from_its_own_plan_to_the_single_process_parameters(report, layout, family):
     """SGD with momentum, 3 steps of accumulation 2, clipping and a rate that changes every step.
     Leaving Qwen3's q_norm/k_norm gradients unsummed (each rank's heads only) put it 7.9e-4 away."""
-    run = report[family]
+    run = report[layout, family]
     assert run["keys_match"] and run["steps"] == 3, run
     assert run["sharded_parameters"] >= 10, run  # the plan was applied: projections are DTensors
     assert run["max_abs_diff"] < 1e-5 and run["loss_diff"] < 1e-5, run

@@ -3,15 +3,16 @@
 
 Each family is built from a tiny config (no download) and trained STEPS SGD+momentum steps with 2
 accumulation micro-steps, gradient clipping and a scheduler that changes the rate every step, under
-`parallelism="tp_size=2"` (no plan passed: the model's own is used); the same model trains in this
-process, plain torch, on each step's whole batch. What each family's plan exercises:
+the layout (no plan passed: the model's own is used); the same model trains in this
+process, plain torch, on each step's whole batch. The layout is argv[2] (tp_size=2, or tp_size=2 beside
+dp_shard_size=2 on 4 processes: ZeRO-3 over the tensor-parallel shards). What each family's plan exercises:
 
 - qwen3: per-head q_norm / k_norm after column-split projections (replicated_with_grad_allreduce);
 - phi3: a packed q|k|v and a packed gate|up gathered whole (colwise_gather_output), split again for
   the row-parallel projection (rowwise_split_input);
 - olmo2: q_norm / k_norm over the whole gathered projections, a column-split MLP.
 
-argv[1]: JSON report path (written by process 0); argv[2:]: families.
+argv[1]: JSON report path (written by process 0); argv[2]: the layout; argv[3:]: families.
 """
 
 from __future__ import annotations
@@ -89,11 +90,12 @@ def reference(family: str) -> tuple[dict, list[float]]:
     return model.state_dict(), losses
 
 
-def train(family: str) -> dict:
-    accelerator = Accelerator(cpu=True, parallelism="tp_size=2", gradient_accumulation_steps=ACCUMULATION)
+def train(family: str, layout: str) -> dict:
+    accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=ACCUMULATION)
     model = make(family)
     optimizer, scheduler = make_optimizer(model)
-    loader = DataLoader(make_dataset(), batch_size=BATCH // ACCUMULATION)  # every TP rank: the same batch
+    dp = accelerator.parallelism.dp_size  # the ranks of one TP group see the same batch
+    loader = DataLoader(make_dataset(), batch_size=BATCH // (ACCUMULATION * dp))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     losses, window = [], []
     for ids, targets in loader:
@@ -123,9 +125,9 @@ def train(family: str) -> dict:
 
 
 def main() -> None:
-    out, families = Path(sys.argv[1]), sys.argv[2:]
+    out, layout, families = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
     state = PartialState(cpu=True)
-    report = {family: train(family) for family in families}
+    report = {family: train(family, layout) for family in families}
     if state.is_main_process:
         out.write_text(json.dumps(report))
 

@@ -26,6 +26,7 @@ import os
 import sys
 import sysconfig
 import threading
+import weakref
 from dataclasses import asdict, dataclass, field
 from types import FrameType, TracebackType
 from typing import Any
@@ -43,8 +44,10 @@ a private function's name, pinned by tests/test_torch_private_apis.py."""
 DDP_ALL_REDUCE = "DDP's gradient all-reduce"
 """Position.op of a rank in a backward that DDP reduces (see the module docstring)."""
 
-_armed_sync: tuple[Any, int] | None = None
-"""(DDP's process group, its sequence number) after the last forward whose backward all-reduces."""
+_armed_sync: tuple[weakref.ref, int] | None = None
+"""(DDP's process group, its sequence number) after the last forward whose backward all-reduces. The
+group is held weakly: a reference here kept a destroyed group's gloo threads alive to the interpreter's
+end, where they can abort it (docs/failures.md; tests/test_state.py)."""
 # the whole package (this module is in its health/ wing): frames there are unison's, not the user's
 _UNISON_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _STDLIB_DIRS = tuple({sysconfig.get_paths()["stdlib"] + os.sep, sysconfig.get_paths()["platstdlib"] + os.sep})
@@ -146,7 +149,7 @@ def note_gradient_sync(group: Any, armed: bool) -> None:
     """After a forward of a DDP model over `group`: `armed` says its backward all-reduces the gradients
     (DDP's require_forward_param_sync: outside no_sync, with gradients enabled)."""
     global _armed_sync
-    _armed_sync = (group, sequence_number(group) or 0) if armed else None
+    _armed_sync = (weakref.ref(group), sequence_number(group) or 0) if armed else None
 
 
 def main_thread_position() -> Position | None:
@@ -209,8 +212,8 @@ def locate(frames: list[FrameType]) -> Position:
         )
     sync = _armed_sync
     if sync is not None and any(_is_autograd_engine(f) for f in frames):
-        group, armed_at = sync
-        seq = sequence_number(group)
+        group, armed_at = sync[0](), sync[1]
+        seq = None if group is None else sequence_number(group)
         if seq is not None and seq > armed_at:  # this backward has issued DDP's all-reduce
             return Position(
                 kind="collective",
