@@ -102,7 +102,7 @@ def train(family: str, layout: str) -> dict:
         with accelerator.accumulate(model):
             loss = loss_of(model, ids, targets)
             accelerator.backward(loss)
-            window.append(loss.item())
+            window.append(accelerator.reduce(loss.detach(), "mean").item())  # over the data-parallel ranks
             if accelerator.sync_gradients:
                 accelerator.clip_grad_norm_(model.parameters(), 0.5)
             optimizer.step()
