@@ -107,3 +107,26 @@ def test_the_head_count_check_applies_to_a_carried_plan():
     check_tensor_parallel(qwen3, 2)
     with pytest.raises(ValueError, match="tp=4 must divide the number of attention key/value heads"):
         check_tensor_parallel(qwen3, 4)
+
+
+def test_a_per_head_parameter_left_whole_beside_split_heads_is_refused_at_prepare():
+    """T5's first attention of each stack adds a relative position bias, an nn.Embedding with one column
+    per head: a plan that splits q, k, v by columns and leaves it whole crashed in attention ("size of
+    tensor a (2) must match ... b (4)"). Now check_tensor_parallel (prepare()) names it; with the bias in
+    the plan (ColwiseParallel splits an embedding's columns) the check passes."""
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    )
+    attention = "encoder.block.*.layer.0.SelfAttention"
+    plan = {f"{attention}.{name}": ColwiseParallel() for name in ("q", "k", "v")}
+    plan[f"{attention}.o"] = RowwiseParallel()
+    with pytest.raises(ValueError) as refused:
+        check_tensor_parallel(t5, 2, plan)
+    assert str(refused.value).startswith(
+        "encoder.block.0.layer.0.SelfAttention.relative_attention_bias.weight [32, 4] holds one value per "
+        "attention head (4 heads), but the plan leaves it whole while it splits the heads of "
+        "encoder.block.0.layer.0.SelfAttention over tp=2 (q, k, v split by columns)"
+    ), refused.value
+    assert "ColwiseParallel() splits an nn.Embedding's columns" in str(refused.value)
+    plan["encoder.block.0.layer.0.SelfAttention.relative_attention_bias"] = ColwiseParallel()
+    check_tensor_parallel(t5, 2, plan)
