@@ -130,3 +130,14 @@ def test_a_per_head_parameter_left_whole_beside_split_heads_is_refused_at_prepar
     assert "ColwiseParallel() splits an nn.Embedding's columns" in str(refused.value)
     plan["encoder.block.0.layer.0.SelfAttention.relative_attention_bias"] = ColwiseParallel()
     check_tensor_parallel(t5, 2, plan)
+
+
+def test_an_encoder_decoder_model_is_refused_by_pipeline_parallelism_before_any_forward():
+    """It was refused only at its first forward, with a message about positional tensors."""
+    from unison.parallel.pipeline import split_model
+
+    t5 = transformers.T5ForConditionalGeneration(
+        transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4)
+    )
+    with pytest.raises(ValueError, match=r"^T5ForConditionalGeneration is an encoder-decoder model"):
+        split_model(t5, 0, 2)

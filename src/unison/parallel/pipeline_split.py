@@ -76,6 +76,13 @@ def _has_state(module: nn.Module) -> bool:
 
 
 def _layout(model: nn.Module) -> _Layout:
+    if getattr(getattr(model, "config", None), "is_encoder_decoder", False) is True:
+        raise ValueError(
+            f"{type(model).__name__} is an encoder-decoder model (config.is_encoder_decoder), which pipeline "
+            "parallelism does not split: its stages would be one stack of blocks, but the decoder's blocks "
+            "also take the encoder's output. Train it with ZeRO (parallelism='dp_shard_size=N') or tensor "
+            "parallelism, or pipeline a decoder-only model."
+        )
     found = find_blocks(model)
     if found is None:
         raise ValueError(
