@@ -10,9 +10,10 @@ the head-count check still applies to a carried plan.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
-from launching import WORKERS, launch_ok
+from launching import REPO_ROOT, WORKERS, launch_ok
 
 transformers = pytest.importorskip("transformers")
 
@@ -21,7 +22,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel  
 
 from unison.parallel.fused import FusedColwiseParallel  # noqa: E402
 from unison.parallel.tensor import check_tensor_parallel, tensor_parallel_plan  # noqa: E402
-from unison.parallel.transformers_plans import PerShardNorm  # noqa: E402
+from unison.parallel.transformers_plans import ReplicatedOverShards  # noqa: E402
 
 RUNS = {("tp_size=2", 2): ["qwen3", "phi3", "olmo2"], ("tp_size=2,dp_shard_size=2", 4): ["qwen3"]}
 SHAPE = dict(vocab_size=64, hidden_size=64, intermediate_size=96, num_hidden_layers=2)
@@ -56,7 +57,7 @@ def test_the_carried_styles_become_torch_styles():
     assert set(plan) == set(qwen3.tp_plan)
     assert type(plan["model.layers.*.self_attn.q_proj"]) is ColwiseParallel
     assert type(plan["model.layers.*.self_attn.o_proj"]) is RowwiseParallel
-    assert isinstance(plan["model.layers.*.self_attn.q_norm"], PerShardNorm)
+    assert isinstance(plan["model.layers.*.self_attn.q_norm"], ReplicatedOverShards)
     head = plan["lm_head"]  # colwise_gather_output: the logits whole on every rank
     assert type(head) is ColwiseParallel and head.output_layouts == (Replicate(),)
     embedding = plan["model.embed_tokens"]  # embedding_rowwise
@@ -141,3 +142,68 @@ def test_an_encoder_decoder_model_is_refused_by_pipeline_parallelism_before_any_
     )
     with pytest.raises(ValueError, match=r"^T5ForConditionalGeneration is an encoder-decoder model"):
         split_model(t5, 0, 2)
+
+
+SURVEYED_WITH = "5.24.0"  # the transformers release docs/tensor-parallel.md's table was generated with
+KNOWN_FAILURES = {
+    "DogeConfig": "size of tensor a (2) must match the size of tensor b (4)",  # its dynamic mask per head
+}
+TABLE = re.compile(r"<!-- survey: .*? -->\n(.*?)<!-- end of survey -->\n", re.S)
+
+
+def survey_table(survey: dict) -> str:
+    """The docs table of the survey: the config classes by outcome."""
+    by = {
+        outcome: sorted(name for name, (found, _) in survey.items() if found == outcome)
+        for outcome in ("equal", "refused", "failed", "not built")
+    }
+    refused = [f"{name} ({survey[name][1]})" for name in by["refused"]]
+    failed = [f"{name} (`{survey[name][1]}`)" for name in by["failed"]]
+    rows = [
+        ("the loss and every gradient within 1e-4 of one process", ", ".join(by["equal"])),
+        ("refused at prepare(), naming the styles it cannot apply", ", ".join(refused)),
+        ("fails in its first forward", ", ".join(failed)),
+        (
+            "not tried: no causal LM at tiny sizes (vision, audio or encoder parts; configs refusing them)",
+            f"{len(by['not built'])} classes",
+        ),
+    ]
+    lines = ["| under `tp_size=2` with the model's own plan | config classes |", "| --- | --- |"]
+    lines += [
+        f"| {what} ({len(by[key])}) | {names} |" if key != "not built" else f"| {what} | {names} |"
+        for (what, names), key in zip(rows, ("equal", "refused", "failed", "not built"))
+    ]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.fixture(scope="module")
+def survey(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf_tp_survey") / "survey.json"
+    launch_ok(WORKERS / "hf_tp_survey_worker.py", 2, out, launch_args=["--timeout", "120"], timeout=900)
+    return json.loads(out.read_text())
+
+
+def test_every_transformers_model_with_a_plan_runs_from_it_equals_one_process_or_is_refused(survey):
+    """Each causal LM transformers ships with a plan, from a tiny config, one step under tp_size=2. None
+    may differ from one process; those that fail are the known ones; the refused name their styles; and
+    docs/tensor-parallel.md's table is this survey's (when run with the release it was generated with)."""
+    outcomes = {name: found for name, (found, _) in survey.items()}
+    assert not [name for name, found in outcomes.items() if found == "differs"], survey
+    failed = {name: detail for name, (found, detail) in survey.items() if found == "failed"}
+    assert set(failed) <= set(KNOWN_FAILURES), failed
+    for name, detail in failed.items():
+        assert KNOWN_FAILURES[name] in detail, (name, detail)
+    for family in (
+        "LlamaConfig",
+        "MistralConfig",
+        "Qwen2Config",
+        "Qwen3Config",
+        "Phi3Config",
+        "ApertusConfig",
+    ):
+        assert outcomes[family] == "equal", (family, survey[family])
+    assert outcomes["MixtralConfig"] == "refused" and "moe_tp_experts" in survey["MixtralConfig"][1]
+    assert sum(found == "equal" for found in outcomes.values()) >= 40, survey
+    if transformers.__version__ == SURVEYED_WITH:
+        documented = TABLE.search((REPO_ROOT / "docs" / "tensor-parallel.md").read_text())
+        assert documented and documented[1] == survey_table(survey), survey_table(survey)

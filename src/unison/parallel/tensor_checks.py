@@ -53,10 +53,15 @@ def _split_size(style: ParallelStyle, module: nn.Module) -> tuple[str, int, int]
 
 
 def _config_value(model: nn.Module, *names: str) -> int | None:
+    """The first of `names` that the model's config holds as an int (a transformers config whose layers
+    differ refuses a global value with its own error: that reads as absent)."""
     config = getattr(model, "config", None)
     for name in names:
-        value = getattr(config, name, None)
-        if isinstance(value, int):
+        try:
+            value = getattr(config, name, None)
+        except Exception:
+            continue
+        if isinstance(value, int) and not isinstance(value, bool):
             return value
     return None
 
@@ -218,7 +223,7 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
     for parent, projections in split_by.items():
         for name, parameter in model.get_submodule(parent).named_parameters():
             owner = name.rpartition(".")[0]
-            module = model.get_submodule(join_names(parent, owner))
+            module = model.get_submodule(join_names(parent, owner) if owner else parent)
             if id(module) in planned or heads not in parameter.shape:
                 continue
             how = (

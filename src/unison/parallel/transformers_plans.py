@@ -15,7 +15,8 @@ dense style becomes the torch style that computes the same thing:
 | embedding_rowwise | RowwiseParallel(input_layouts=Replicate()) on the vocabulary |
 | embedding_colwise | ColwiseParallel(output_layouts=Replicate()) on the embedding dim |
 | packed_colwise (a Linear) | FusedColwiseParallel(parts=2): gate and up packed side by side |
-| replicated_with_grad_allreduce | `PerShardNorm`: a norm applied to this rank's heads only (q_norm, k_norm) |
+| replicated_with_grad_allreduce | `ReplicatedOverShards`: a norm of this rank's heads (q_norm, k_norm) |
+| (no entry) | `ReplicatedOverShards`: parameters between split projections (Apertus's xIELU) |
 | replicate | no entry: replicated, as everything outside the plan |
 
 The mixture-of-experts styles (moe_tp_experts, moe_identity_expert, packed_* on 3-D expert weights,
@@ -37,12 +38,13 @@ from torch.distributed.tensor.parallel.style import ParallelStyle
 from .fused import FusedColwiseParallel
 
 
-class PerShardNorm(ParallelStyle):
-    """A norm whose input holds this rank's share (heads) of a column-split projection, normalised over
-    its last dim: its weights are replicated DTensors and its input is declared sharded over dim 0, so
-    each weight's gradient is summed over the ranks (each saw other heads), as transformers'
-    replicated_with_grad_allreduce does. Any dim but the normalised last one gives that sum; dim 0 is
-    the one every input has."""
+class ReplicatedOverShards(ParallelStyle):
+    """A module with replicated parameters applied to this rank's share of a column-split activation
+    (its heads for a per-head norm such as Qwen3's q_norm, its hidden units for an activation with
+    parameters such as Apertus's xIELU), row- or element-wise over the last dim: the parameters become
+    replicated DTensors and the input is declared sharded over dim 0, so each parameter's gradient is
+    summed over the ranks (each saw another share), as transformers' replicated_with_grad_allreduce
+    does. Any dim but the last gives that sum; dim 0 is the one every input has."""
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         return distribute_module(module, device_mesh, _replicate_parameters, _shard_input, _local_output)
@@ -74,7 +76,7 @@ _DENSE_STYLES = {
     "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
     "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
-    "replicated_with_grad_allreduce": lambda: PerShardNorm(),
+    "replicated_with_grad_allreduce": lambda: ReplicatedOverShards(),
 }
 _EXPERT_STYLES = {"moe_tp_experts", "moe_identity_expert", "packed_rowwise", "all_reduce", "mla_kv_a_proj"}
 
@@ -114,6 +116,11 @@ def translate_plan(model: nn.Module, carried: Mapping[str, str]) -> dict[str, Pa
         else:
             kind = "a mixture-of-experts style" if style in _EXPERT_STYLES else "a style unison does not know"
             refused.append(f"{pattern!r}: {style!r} ({kind})")
+    for pattern, module in _between_split_projections(model, plan):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            refused.append(f"{pattern!r}: no entry, but it sits between split projections")
+        else:
+            plan[pattern] = ReplicatedOverShards()
     if refused:
         raise ValueError(
             f"{type(model).__name__} carries a tensor-parallel plan from transformers (model.tp_plan) with "
@@ -123,3 +130,27 @@ def translate_plan(model: nn.Module, carried: Mapping[str, str]) -> dict[str, Pa
             "(parallelism='dp_shard_size=N'), or pass tp_plan= with the dense entries only."
         )
     return plan
+
+
+def _between_split_projections(
+    model: nn.Module, plan: Mapping[str, ParallelStyle]
+) -> list[tuple[str, nn.Module]]:
+    """(pattern, module) of the modules with parameters of their own that the plan leaves out although
+    they sit in a module whose projections it splits by columns (not gathered again): they compute on
+    each rank's share, so their gradients are partial (xIELU's alpha beside a column-split up_proj)."""
+    planned = {
+        id(module) for pattern in plan for name, module in model.named_modules() if fnmatch(name, pattern)
+    }
+    split_parents = set()
+    for pattern, style in plan.items():
+        if isinstance(style, ColwiseParallel) and style.output_layouts == (Shard(-1),):
+            split_parents |= {
+                name.rpartition(".")[0] for name, _ in model.named_modules() if fnmatch(name, pattern)
+            }
+    found: dict[str, nn.Module] = {}
+    for parent in sorted(split_parents - {""}):
+        for child_name, child in model.get_submodule(parent).named_children():
+            if id(child) not in planned and any(True for _ in child.parameters(recurse=False)):
+                name = f"{parent}.{child_name}"
+                found.setdefault(".".join("*" if part.isdigit() else part for part in name.split(".")), child)
+    return list(found.items())
