@@ -201,15 +201,22 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
     """A parameter with one value per attention head, in a module whose projections the plan splits by
     columns (each rank then holds heads / tp heads), must be split too: left whole, each rank would
     apply every head's values to its own heads and fail on the shapes, or worse, broadcast them (T5's
-    relative position bias, a per-head gate). Found by shape: a dimension equal to the config's head
-    count, where that count differs from the head size (when they are equal, nothing tells them apart).
+    relative position bias, Doge's per-key/value-head A, a per-head gate). Found by shape: a dimension
+    equal to the config's query or key/value head count, where that count differs from the head size
+    (when they are equal, nothing tells them apart).
     """
-    heads = _config_value(model, "num_attention_heads", "num_heads", "n_head", "n_heads")
-    if not heads or tp == 1 or heads % tp:
-        return  # no head count known, or _check_heads refuses the degree already
     hidden = _config_value(model, "hidden_size", "d_model", "n_embd")
-    head_size = _config_value(model, "head_dim", "d_kv") or (hidden // heads if hidden else None)
-    if head_size == heads:
+    heads = _config_value(model, "num_attention_heads", "num_heads", "n_head", "n_heads")
+    head_size = _config_value(model, "head_dim", "d_kv") or (hidden // heads if hidden and heads else None)
+    counts = {
+        count: what
+        for count, what in (
+            (_config_value(model, "num_key_value_heads", "n_kv_heads"), "key/value heads"),
+            (heads, "attention heads"),
+        )
+        if count and count % tp == 0 and count != head_size
+    }  # a count tp does not divide: _check_heads refuses the degree already
+    if tp == 1 or not counts:
         return
     planned = {id(module) for pattern in plan for _, module in matching_modules(model, pattern)}
     split_by: dict[str, list[str]] = {}  # module whose heads the plan splits -> its split projections
@@ -224,18 +231,19 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
         for name, parameter in model.get_submodule(parent).named_parameters():
             owner = name.rpartition(".")[0]
             module = model.get_submodule(join_names(parent, owner) if owner else parent)
-            if id(module) in planned or heads not in parameter.shape:
+            count = next((count for count in counts if count in parameter.shape), None)
+            if id(module) in planned or count is None:
                 continue
             how = (
                 f" ({join_names(parent, owner)!r}: ColwiseParallel() splits an nn.Embedding's columns)"
-                if isinstance(module, nn.Embedding) and module.embedding_dim == heads
+                if isinstance(module, nn.Embedding) and module.embedding_dim == count
                 else ""
             )
             raise ValueError(
-                f"{join_names(parent, name)} {list(parameter.shape)} holds one value per attention head "
-                f"({heads} heads), but the plan leaves it whole while it splits the heads of {parent} over "
-                f"tp={tp} ({', '.join(projections)} split by columns): each rank would apply all {heads} "
-                f"heads' values to its own {heads // tp}. Add it to the plan split along its heads "
+                f"{join_names(parent, name)} {list(parameter.shape)} holds one value per head ({count} "
+                f"{counts[count]}), but the plan leaves it whole while it splits the heads of {parent} over "
+                f"tp={tp} ({', '.join(projections)} split by columns): each rank would apply all {count} "
+                f"heads' values to its own {count // tp}. Add it to the plan split along its heads "
                 f"dimension{how}, or leave that attention whole (no plan entries for its projections)."
             )
 
