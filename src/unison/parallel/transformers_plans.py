@@ -91,10 +91,12 @@ def carried_plan(model: nn.Module) -> dict[str, str]:
 
 def translate_plan(model: nn.Module, carried: Mapping[str, str]) -> dict[str, ParallelStyle]:
     """`carried` (transformers style names) as torch parallel styles for `model`; entries that match
-    none of its modules are dropped (a plan written for the whole model, applied to a pipeline stage).
+    none of its modules are dropped (a plan written for the whole model, applied to a pipeline stage),
+    and modules with parameters that sit between split projections without an entry get
+    ReplicatedOverShards (see `_between_split_projections`).
 
-    Raises ValueError naming every entry whose style has no translation (its pattern, its style) and
-    the model's matching modules, before anything is sharded."""
+    Raises ValueError naming every entry it cannot apply (its pattern and style, or the parameter it
+    names), before anything is sharded."""
     modules = dict(model.named_modules())
     parameters = {name for name, _ in model.named_parameters()}
     plan: dict[str, ParallelStyle] = {}
@@ -137,7 +139,10 @@ def _between_split_projections(
 ) -> list[tuple[str, nn.Module]]:
     """(pattern, module) of the modules with parameters of their own that the plan leaves out although
     they sit in a module whose projections it splits by columns (not gathered again): they compute on
-    each rank's share, so their gradients are partial (xIELU's alpha beside a column-split up_proj)."""
+    each rank's share, so their gradients are partial (xIELU's alpha beside a column-split up_proj).
+    This assumes they run after the split, never on the module's whole input (they would then get the
+    gradient tp times): true of every transformers model with a plan that builds at tiny sizes, which
+    tests/test_tp_transformers_plans.py runs against one process."""
     planned = {
         id(module) for pattern in plan for name, module in model.named_modules() if fnmatch(name, pattern)
     }
