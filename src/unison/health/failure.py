@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING
 from .elastic_record import record_for_the_elastic_agent
 from .mismatch import DistributedOperationException
 from .position import traceback_position
+from .processes import end_process
 from .watchdog import EXIT_GRACE_SECONDS
 
 if TYPE_CHECKING:
@@ -38,9 +39,9 @@ def end_fast_on_uncaught_error(rank: str, watchdog: Watchdog | None) -> None:
     def hook(exc_type, exc, tb):
         if issubclass(exc_type, KeyboardInterrupt):
             if "TORCHELASTIC_RUN_ID" in os.environ:  # Ctrl-C reached the launcher, which says so once
-                _exit(128 + signal.SIGINT)
+                end_process(128 + signal.SIGINT)
             previous_hook(exc_type, exc, tb)
-            _exit(1)
+            end_process(1)
         _end_later(EXIT_GRACE_SECONDS)
         if watchdog is not None and watchdog.ending:  # a consequence of the report the watchdog is making:
             threading.Event().wait(EXIT_GRACE_SECONDS)  # its thread ends the process
@@ -110,12 +111,6 @@ def _waited(exc: BaseException) -> float:
 
 
 def _end_later(seconds: float) -> None:
-    timer = threading.Timer(seconds, _exit, args=(1,))
+    timer = threading.Timer(seconds, end_process, args=(1,))
     timer.daemon = True
     timer.start()
-
-
-def _exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -47,7 +47,7 @@ import torch.distributed as dist
 from . import position as where
 from .elastic_record import record_for_the_elastic_agent
 from .position import Position
-from .processes import child_processes, is_running
+from .processes import child_processes, end_process, is_running
 
 logger = logging.getLogger("unison")
 
@@ -148,7 +148,9 @@ class Watchdog:
             self._await_the_others_exit()
         if self.failed:  # every handler registered after the process group's has run (tracker flushes...):
             logging.shutdown()  # skip the interpreter's teardown, where torch's C++ objects freed late
-            _exit(1)  # (a DDP model's gloo group) can abort ("terminate called without an active exception")
+            end_process(
+                1
+            )  # (a DDP model's gloo group) can abort ("terminate called without an active exception")
 
     def _await_the_others_exit(self) -> None:
         """Keep serving the store until every other rank is done with it (at most EXIT_GRACE_SECONDS).
@@ -256,7 +258,7 @@ class Watchdog:
             deadline = time.monotonic() + ANSWER_WAIT_SECONDS + 2 * CHECK_INTERVAL_SECONDS
             while self.store.add("done", 0) < self.world_size - 1 and time.monotonic() < deadline:
                 time.sleep(0.1)
-            _exit(1)
+            end_process(1)
 
     def _obey(self, verdict: dict[str, Any]) -> None:
         """Another rank reported: dump this rank's stacks (not after a plain failure) and end."""
@@ -274,7 +276,7 @@ class Watchdog:
             verdict.get("message", ""),
             True,
         )
-        _exit(1)
+        end_process(1)
 
     def await_exit_of(self, rank: int | None = None) -> None:
         """Wait (at most EXIT_GRACE_SECONDS) until the rank that failed (default: the one the verdict
@@ -416,9 +418,3 @@ def _catches(pid: int, signum: int) -> bool:
 
 def _catches_default(signum: int) -> bool:
     return signal.getsignal(signum) == signal.SIG_DFL
-
-
-def _exit(code: int) -> None:
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
