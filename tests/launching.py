@@ -62,3 +62,13 @@ def launch_ok(
     result = launch(script, nproc, *script_args, **kwargs)
     assert result.returncode == 0, describe(result)
     return result
+
+
+def process_running(pid: int) -> bool:
+    """Whether process `pid` is alive and not a zombie (read from /proc, independently of the library's
+    own reading: this machine's init may be slow to reap an orphan)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return False
+    return state not in ("Z", "X")

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import re
 import time
-from pathlib import Path
 
 import pytest
-from launching import WORKERS, describe, launch
+from launching import WORKERS, describe, launch, process_running
 
 WORKER = WORKERS / "hang_worker.py"
 
@@ -23,14 +22,6 @@ pytestmark = pytest.mark.serial
 def line_of(code: str) -> int:
     """The line number of the worker's line that contains `code` (so the tests survive edits above it)."""
     return next(n for n, line in enumerate(WORKER.read_text().splitlines(), 1) if code in line)
-
-
-def running(pid: int) -> bool:
-    """Alive and not a zombie (this machine's init may be slow to reap an orphan)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
-    except OSError:
-        return False
 
 
 def summary_of(result) -> str:
@@ -70,7 +61,7 @@ def test_a_rank_stuck_in_its_data_loading_is_found_at_the_stall_timeout():
     )
     loader_workers = {int(pid): rank for rank, pids in listed for pid in pids.split(",")}
     assert sorted(set(loader_workers.values())) == ["0", "1"], listed
-    assert not [pid for pid in loader_workers if running(pid)], loader_workers
+    assert not [pid for pid in loader_workers if process_running(pid)], loader_workers
     assert summary_of(result).startswith("unison launch: rank 0 (local rank 0, pid "), describe(result)
     assert "failed first: hang: rank 0 waited 4 s" in summary_of(result)
     assert "must not happen" not in result.stdout

@@ -13,9 +13,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from launching import process_running
 
 from unison.launching import contact
 from unison.launching.launcher import c10d_conf
@@ -57,14 +57,6 @@ def _stand_in(mode: str) -> tuple[subprocess.CompletedProcess, float]:
     return result, time.monotonic() - started
 
 
-def _running(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return False
-    return state not in ("Z", "X")
-
-
 @pytest.mark.skipif(not os.path.isdir("/proc"), reason="finding the workers needs Linux's /proc")
 def test_a_node_that_lost_the_rendezvous_stops_its_workers_and_ends():
     result, took = _stand_in("lost")
@@ -74,7 +66,9 @@ def test_a_node_that_lost_the_rendezvous_stops_its_workers_and_ends():
     assert took < 15, took  # 1.5 s before the loss, 2 s of silence, a probe second; the sleeps end on SIGTERM
     group = int(result.stdout.split()[1])
     listed = subprocess.run(["pgrep", "-g", str(group)], capture_output=True, text=True).stdout.split()
-    running = [pid for pid in map(int, listed) if _running(pid)]  # the rest: zombies init has yet to reap
+    running = [
+        pid for pid in map(int, listed) if process_running(pid)
+    ]  # the rest: zombies init has yet to reap
     assert not running, f"workers left running: {running}"
 
 

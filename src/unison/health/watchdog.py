@@ -147,10 +147,10 @@ class Watchdog:
         if self.served_store is not None:
             self._await_the_others_exit()
         if self.failed:  # every handler registered after the process group's has run (tracker flushes...):
-            logging.shutdown()  # skip the interpreter's teardown, where torch's C++ objects freed late
-            end_process(
-                1
-            )  # (a DDP model's gloo group) can abort ("terminate called without an active exception")
+            # skip the interpreter's teardown, where torch's C++ objects freed late (a DDP model's gloo
+            # group) can abort ("terminate called without an active exception")
+            logging.shutdown()
+            end_process(1)
 
     def _await_the_others_exit(self) -> None:
         """Keep serving the store until every other rank is done with it (at most EXIT_GRACE_SECONDS).

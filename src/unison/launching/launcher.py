@@ -179,7 +179,7 @@ def torchrun_argv(options: LaunchOptions, nproc_per_node: int, log_dir: str) -> 
       --local-addr defaults to this node's address towards the endpoint; torch's guesses from the
       host name fail where it resolves to a loopback address (Debian's default /etc/hosts).
     """
-    min_nodes, max_nodes = parse_nnodes(options.nnodes)
+    _, max_nodes = parse_nnodes(options.nnodes)
     host, port = rendezvous_endpoint(options)
     timeout = None if options.timeout is None else math.ceil(options.timeout)
     local_addr = options.local_addr
