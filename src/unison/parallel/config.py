@@ -35,6 +35,7 @@ _SCALAR_FIELDS = (
     "zero_stage",
     "pp_schedule",
     "pp_microbatches",
+    "ep_size",
     *_BOOLEAN_FIELDS,
     "activation_checkpointing",
 )
@@ -84,6 +85,10 @@ class ParallelismConfig:
         legacy_data_parallel: single-process `torch.nn.DataParallel` over every visible GPU ("dataparallel").
             Opt-in by name only: DDP is faster (one exchange per step instead of five, no GIL-bound
             threads, no overloaded GPU 0; see docs/data-parallel.md).
+        ep_size: expert parallelism: the experts of each mixture-of-experts layer divided over groups of
+            ep_size consecutive dp_shard processes, tokens sent to their experts by all-to-all (the groups
+            side by side replicate the experts); not a dimension of its own, it divides dp_shard, which it
+            fills when left None (torchtitan's placement; parallel/experts.py, docs/expert-parallel.md).
         activation_checkpointing: "full", "selective" (op-level), "selective:K" (every K-th block) or None:
             which blocks recompute their activations in backward (parallel/checkpointing.py); the blocks are
             `zero_blocks` when given, else the found block list.
@@ -105,6 +110,7 @@ class ParallelismConfig:
     offload: bool = False
     legacy_data_parallel: bool = False
     activation_checkpointing: str | None = None
+    ep_size: int | None = None
 
     @classmethod
     def from_string(cls, text: str) -> ParallelismConfig:
@@ -169,7 +175,7 @@ class ParallelismConfig:
 
         Raises ValueError naming each degree, their product and the world size when they disagree.
         """
-        for name in DEGREE_FIELDS:
+        for name in (*DEGREE_FIELDS, "ep_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(
@@ -218,7 +224,8 @@ class ParallelismConfig:
     def _fill(self, world_size: int) -> ParallelismConfig:
         if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size={world_size!r} is not a number of processes >= 1.")
-        free = "dp_shard_size" if self.zero_stage is not None and self.dp_shard_size is None else None
+        shards = self.zero_stage is not None or (self.ep_size or 1) > 1
+        free = "dp_shard_size" if shards and self.dp_shard_size is None else None
         free = free or ("dp_replicate_size" if self.dp_replicate_size is None else None)
         sizes = {name: getattr(self, name) for name in DEGREE_FIELDS}
         given = math.prod(size for size in sizes.values() if size is not None)
@@ -235,6 +242,9 @@ class ParallelismConfig:
             # one-rank dp_shard keeps parameters, gradients and optimizer state in host memory, the
             # device holding one unit at a time, as DeepSpeed's ZeRO-Offload does on one GPU.
             return dataclasses.replace(self, zero_stage=zero_stage, **sizes)
+        if (self.ep_size or 1) > 1 and self.dp_shard_size is None and sizes["dp_shard_size"] == 1:
+            # one process (the same script under `python train.py`): every expert is local
+            return dataclasses.replace(self, ep_size=None)._fill(world_size)
         if self._nothing_left_to_shard(sizes):
             # The same script on fewer processes (one, with `python train.py`): ZeRO over a single
             # process is plain training, so it runs as such (unsharded_note says so) instead of failing.
@@ -344,10 +354,40 @@ class ParallelismConfig:
                 "offload works with zero_stage 2 or 3 over dp_shard, without tp_size or pp_size (not yet "
                 "supported with them). Use e.g. 'zero3,offload=true', or drop offload."
             )
+        if (self.ep_size or 1) > 1:
+            self._check_expert_parallel()
         if (self.cp_size or 1) > 1:
             from .context import check_context_parallel_layout
 
             check_context_parallel_layout(self)
+
+    def _check_expert_parallel(self) -> None:
+        """ep_size borrows from dp_shard: it must divide it, beside ZeRO-2/3 alone (not yet beside tensor,
+        pipeline or context parallelism, nor offload)."""
+        ep = self.ep_size
+        if self.dp_shard_size % ep:
+            raise ValueError(
+                f"ep_size={ep} does not divide dp_shard_size={self.dp_shard_size}: the experts are divided "
+                f"over groups of {ep} consecutive dp_shard processes. Choose an ep_size that divides "
+                f"{self.dp_shard_size}, or a dp_shard_size that is a multiple of {ep}."
+            )
+        others = [
+            f"{name}={getattr(self, name)}"
+            for name in ("tp_size", "pp_size", "cp_size")
+            if (getattr(self, name) or 1) > 1
+        ]
+        if others or self.offload or self.legacy_data_parallel or self.zero_stage == 1:
+            found = (
+                others
+                + (["offload=true"] if self.offload else [])
+                + (["zero_stage=1"] if self.zero_stage == 1 else [])
+            )
+            raise ValueError(
+                f"ep_size={ep} with {', '.join(found) or 'torch.nn.DataParallel'}: expert parallelism "
+                "runs beside ZeRO-2/3 over dp_shard (and dp_replicate) only, not yet with tensor, pipeline "
+                "or context parallelism, offload or ZeRO-1. Use e.g. 'ep_size=2,dp_shard_size=4', or drop "
+                "ep_size."
+            )
 
     def _check_stage_count(self, stages: int) -> None:
         if self.pp_schedule == "interleaved":
@@ -388,6 +428,8 @@ class ParallelismConfig:
         if self.legacy_data_parallel:
             return "torch.nn.DataParallel (one process, every visible GPU)"
         text = " x ".join(used) or "single process"
+        if (self.ep_size or 1) > 1:
+            text += f", ep={self.ep_size}"
         if self.zero_stage is not None:
             text += f" (ZeRO-{self.zero_stage}{', offloaded' if self.offload else ''})"
         if (self.pp_size or 1) > 1:
