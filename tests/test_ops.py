@@ -297,3 +297,15 @@ def test_only_a_backend_without_gather_into_tensor_switches_collectives():
     )
     assert not backend_lacks_gather_into_tensor(torch.distributed.DistError("Connection closed by peer"))
     assert not backend_lacks_gather_into_tensor(RuntimeError("CUDA error: an illegal memory access"))
+
+
+def test_a_transformers_model_output_is_rebuilt_item_by_item():
+    """transformers' ModelOutput refuses update(); converting a bf16 model's outputs without a loss (every
+    forward without labels under mixed_precision="bf16") used it and failed."""
+    outputs = pytest.importorskip("transformers.modeling_outputs")
+    output = outputs.MoeCausalLMOutputWithPast(
+        logits=torch.ones(2, dtype=torch.bfloat16), aux_loss=torch.tensor(1.0, dtype=torch.bfloat16)
+    )
+    converted = recursively_apply(lambda t: t.float(), output)
+    assert type(converted) is type(output) and output.logits.dtype == torch.bfloat16
+    assert converted.logits.dtype == converted["aux_loss"].dtype == torch.float32

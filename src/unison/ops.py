@@ -70,7 +70,8 @@ def _rebuild(data: Any, values: list[Any]) -> Any:
         items = dict(zip(data.keys(), values))
         if isinstance(data, MutableMapping):  # a copy keeps subclass state (defaultdict's factory, ...)
             rebuilt = copy.copy(data)
-            rebuilt.update(items)
+            for key, value in items.items():  # item by item: transformers' ModelOutput refuses update()
+                rebuilt[key] = value
             return rebuilt
         return type(data)(items)
     if isinstance(data, tuple) and hasattr(data, "_fields"):  # namedtuple

@@ -11,13 +11,16 @@ process, plain torch, on each step's whole batch. What each family's experts exe
 - qwen2_moe: beside a shared expert with its own sigmoid gate (dense, left to ZeRO);
 - olmoe: q_norm / k_norm in attention, router weights not renormalised.
 
-argv[1]: JSON report path (written by process 0); argv[2]: the layout; argv[3:]: families.
+A family spec "mixtral+aux" also trains on the model's load-balancing loss (each process's over its own
+micro-batch; the reference computes it over the same micro-batches). --save DIR saves the trained state;
+--load DIR loads one saved under any layout and takes one more step, against the reference's four.
+Arguments: the JSON report's path (written by process 0), the layout, the family specs.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -25,7 +28,7 @@ import torch.nn.functional as F
 import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
-from unison import Accelerator, PartialState
+from unison import Accelerator, PartialState, init_empty_weights
 
 STEPS = 3
 BATCH = 8
@@ -58,9 +61,16 @@ FAMILIES = {
 }
 
 
-def make(family: str) -> torch.nn.Module:
+AUX = 0.1
+"""The load-balancing loss's weight in a family spec ending "+aux" (the model returns `aux_loss`)."""
+
+
+def make(spec: str) -> torch.nn.Module:
+    family, _, aux = spec.partition("+")
     torch.manual_seed(SEED)
-    return FAMILIES[family]()
+    model = FAMILIES[family]()
+    model.config.output_router_logits = aux == "aux"
+    return model
 
 
 def make_optimizer(model: torch.nn.Module):
@@ -71,23 +81,37 @@ def make_optimizer(model: torch.nn.Module):
     return optimizer, scheduler
 
 
+def rows(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, VOCAB, (count, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
 def make_dataset() -> TensorDataset:
-    tokens = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
-    return TensorDataset(tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    return TensorDataset(*rows(STEPS * BATCH, 3), torch.arange(STEPS * BATCH))
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(model(ids).logits.flatten(0, 1), targets.flatten())
+    """Cross-entropy, plus the load-balancing loss where the model returns it: computed by each process
+    over its own micro-batch, as one process computes it over each micro-batch it accumulates."""
+    output = model(ids)
+    loss = F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+    return loss if getattr(output, "aux_loss", None) is None else loss + AUX * output.aux_loss
 
 
-def reference(family: str) -> tuple[dict, list[float]]:
-    model = make(family)
+def reference(spec: str, groups: list[list[list[int]]], extra: bool) -> tuple[dict, list[float]]:
+    """One process, plain torch. groups[step]: the dataset rows of each micro-batch the processes ran in
+    that step; the cross-entropy is the whole batch's mean either way, the load-balancing loss is each
+    micro-batch's, averaged. extra: one more step on rows(BATCH, 5), as a resumed run takes."""
+    model = make(spec)
     optimizer, scheduler = make_optimizer(model)
-    ids, targets = make_dataset().tensors
+    ids, targets = make_dataset().tensors[:2]
+    steps = [[(ids[g], targets[g]) for g in step] for step in groups]
+    if extra:
+        extra_ids, extra_targets = rows(BATCH, 5)
+        steps.append([(extra_ids[i::2], extra_targets[i::2]) for i in range(2)])
     losses = []
-    for step in range(STEPS):
-        rows = slice(step * BATCH, (step + 1) * BATCH)
-        loss = loss_of(model, ids[rows], targets[rows])
+    for micro_batches in steps:
+        loss = sum(loss_of(model, i, t) for i, t in micro_batches) / len(micro_batches)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
         optimizer.step()
@@ -97,41 +121,89 @@ def reference(family: str) -> tuple[dict, list[float]]:
     return model.state_dict(), losses
 
 
-def train(family: str, layout: str) -> dict:
-    accelerator = Accelerator(cpu=True, parallelism=layout, gradient_accumulation_steps=ACCUMULATION)
-    model = make(family)
+def micro_step(accelerator, model, optimizer, scheduler, ids, targets) -> float:
+    with accelerator.accumulate(model):
+        loss = loss_of(model, ids, targets)
+        accelerator.backward(loss)
+        if accelerator.sync_gradients:
+            accelerator.clip_grad_norm_(model.parameters(), 0.5)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad()
+    return accelerator.reduce(loss.detach(), "mean").item()  # over the data-parallel ranks
+
+
+def train(
+    spec: str,
+    layout: str,
+    save: Path | None,
+    load: Path | None,
+    precision: str,
+    meta: bool,
+    state_out: Path | None,
+) -> dict:
+    accelerator = Accelerator(
+        cpu=True, parallelism=layout, gradient_accumulation_steps=ACCUMULATION, mixed_precision=precision
+    )
+    if meta:
+        with init_empty_weights():
+            model = make(spec)
+    else:
+        model = make(spec)
     optimizer, scheduler = make_optimizer(model)
     dp = accelerator.parallelism.dp_size
     loader = DataLoader(make_dataset(), batch_size=BATCH // (ACCUMULATION * dp))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
-    losses, window = [], []
-    for ids, targets in loader:
-        with accelerator.accumulate(model):
-            loss = loss_of(model, ids, targets)
-            accelerator.backward(loss)
-            window.append(accelerator.reduce(loss.detach(), "mean").item())  # over the data-parallel ranks
-            if accelerator.sync_gradients:
-                accelerator.clip_grad_norm_(model.parameters(), 0.5)
-            optimizer.step()
-            scheduler.step()
-            optimizer.zero_grad()
-        if len(window) == ACCUMULATION:
-            losses.append(sum(window) / ACCUMULATION)
-            window = []
+    losses: list[float] = []
+    groups: list[list[list[int]]] = []
+    if load is None:
+        window: list[float] = []
+        for ids, targets, held in loader:
+            window.append(micro_step(accelerator, model, optimizer, scheduler, ids, targets))
+            if len(window) == 1:
+                groups.append([])
+            # which rows each process's micro-batch held, for the reference's load-balancing loss
+            groups[-1].extend(accelerator.gather(held[None]).tolist())
+            if len(window) == ACCUMULATION:
+                losses.append(sum(window) / ACCUMULATION)
+                window = []
+        if save is not None:
+            accelerator.save_state(save / spec)
+    else:
+        accelerator.load_state(load / spec)
+        ids, targets = rows(BATCH, 5)
+        mine = slice(accelerator.process_index, None, dp)  # this process's rows, half per micro-step
+        ids, targets = ids[mine], targets[mine]
+        half = len(ids) // ACCUMULATION
+        window = [
+            micro_step(
+                accelerator,
+                model,
+                optimizer,
+                scheduler,
+                ids[i * half : (i + 1) * half],
+                targets[i * half : (i + 1) * half],
+            )
+            for i in range(ACCUMULATION)
+        ]
+        losses.append(sum(window) / ACCUMULATION)
+        groups = [[list(range(r * BATCH, (r + 1) * BATCH))] for r in range(STEPS)]  # no aux on resume
     full = accelerator.get_state_dict(model)
-    expected, expected_losses = reference(family)
+    with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
+        expected, expected_losses = reference(spec, groups, extra=load is not None)
+    expected_losses = expected_losses[-len(losses) :]
     result = {"loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "steps": len(losses)}
-    sharded = [
-        name for name, p in accelerator.unwrap_model(model).named_parameters() if hasattr(p, "placements")
-    ]
-    result["sharded_parameters"] = len(sharded)
+    unwrapped = accelerator.unwrap_model(model)
+    result["sharded_parameters"] = sum(hasattr(p, "placements") for p in unwrapped.parameters())
     result["expert_shapes"] = sorted(
         {
-            str(tuple(p.to_local().shape))
-            for n, p in accelerator.unwrap_model(model).named_parameters()
+            str(tuple(getattr(p, "_local_tensor", p).shape))
+            for n, p in unwrapped.named_parameters()
             if ".experts." in n
         }
     )
+    if accelerator.is_main_process and state_out is not None:
+        torch.save(full, state_out.with_name(f"{state_out.name}.{spec}.pt"))
     if accelerator.is_main_process:
         result["keys_match"] = sorted(full) == sorted(expected)
         result["max_abs_diff"] = max((full[k] - v).abs().max().item() for k, v in expected.items())
@@ -139,11 +211,25 @@ def train(family: str, layout: str) -> dict:
 
 
 def main() -> None:
-    out, layout, families = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out", type=Path)
+    parser.add_argument("layout")
+    parser.add_argument("families", nargs="+", help="family, or family+aux for the load-balancing loss")
+    parser.add_argument("--save", type=Path, help="save_state after training, into SAVE/<family>")
+    parser.add_argument("--load", type=Path, help="load_state from LOAD/<family>, then one more step")
+    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16"))
+    parser.add_argument("--meta", action="store_true", help="build the model inside init_empty_weights()")
+    parser.add_argument(
+        "--state", type=Path, help="write the trained model's full state to STATE.<family>.pt"
+    )
+    args = parser.parse_args()
     state = PartialState(cpu=True)
-    report = {family: train(family, layout) for family in families}
+    report = {
+        spec: train(spec, args.layout, args.save, args.load, args.mixed_precision, args.meta, args.state)
+        for spec in args.families
+    }
     if state.is_main_process:
-        out.write_text(json.dumps(report))
+        args.out.write_text(json.dumps(report))
 
 
 if __name__ == "__main__":

@@ -536,15 +536,21 @@ def _load_rng_state(directory: Path, manifest: dict[str, Any], rng_state: dict[s
     state = PartialState()
     saved_world_size = manifest.get("metadata", {}).get("world_size")
     if saved_world_size != state.num_processes and state.is_main_process:
+        resumed = min(int(saved_world_size or 1), state.num_processes)
         logger.warning(
-            "checkpoint %s was saved by %s processes and is loaded by %d: models, optimizers, schedulers "
-            "and data positions carry over, and processes 0 to %d resume the random streams of the "
-            "saved processes of their rank (so the next shuffles are the saved run's); results stay "
-            "within rounding of the original run, not bit-identical.",
+            "checkpoint %s was saved by %s and is loaded by %s: models, optimizers, schedulers and data "
+            "positions carry over, and %s the random streams of the saved process of the same rank (so the "
+            "next shuffles are the saved run's); results stay within rounding of the original run, not "
+            "bit-identical.",
             directory,
-            saved_world_size,
-            state.num_processes,
-            min(int(saved_world_size or 1), state.num_processes) - 1,
+            _processes(saved_world_size),
+            _processes(state.num_processes),
+            "process 0 resumes" if resumed == 1 else f"processes 0 to {resumed - 1} resume",
         )
     if rng_state is not None:
         set_rng_state(rng_state)
+
+
+def _processes(count: int | None) -> str:
+    """ "1 process", "4 processes" ("? processes" when an old manifest did not record it)."""
+    return f"{count} process" if count == 1 else f"{count if count is not None else '?'} processes"

@@ -1,0 +1,143 @@
+"""Expert parallelism (`ep_size`, unison.parallel.experts) on Hugging Face mixtures of experts.
+
+Launches of tests/workers/hf_ep_worker.py train Mixtral, Qwen2-MoE and OLMoE (tiny configs, 4 experts,
+2 per token, no download) with SGD+momentum, accumulation 2, clipping and a rate that changes every step,
+against one process in plain torch: under ep_size=2 on 2 processes, and ep_size=2 beside dp_shard_size=4
+on 4 (two EP groups replicating the experts, the rest ZeRO-3 over all 4), with and without the models'
+load-balancing loss; a checkpoint saved under EP resumes on one process and under another layout, and
+one saved by one process resumes under EP; bf16 under EP (and ZeRO-2) ends where DDP in bf16 does.
+The in-process tests check the refusals, all raised before any communication.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from launching import WORKERS, launch_ok
+
+transformers = pytest.importorskip("transformers")
+
+from unison.parallel.config import ParallelismConfig  # noqa: E402
+from unison.parallel.experts import check_expert_parallel, find_experts  # noqa: E402
+
+WORKER = WORKERS / "hf_ep_worker.py"
+TRAINED = {
+    ("ep_size=2", 2): ["mixtral", "qwen2_moe", "olmoe", "mixtral+aux", "olmoe+aux"],
+    ("ep_size=2,dp_shard_size=4", 4): ["mixtral", "qwen2_moe+aux"],
+}
+RESUMED = {  # (layout, processes, the run whose checkpoint it loads)
+    ("ep_size=2", 1, "ep_size=2"),  # on one process: every expert whole again
+    ("ep_size=2,dp_shard_size=4", 4, "ep_size=2"),
+    ("ep_size=2", 2, "one process"),
+}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    found = {}
+    for (layout, world), families in TRAINED.items():
+        out = root / f"{world}.json"
+        launch_ok(WORKER, world, out, layout, *families, "--save", root / f"saved-{world}", timeout=600)
+        found.update({(layout, family): run for family, run in json.loads(out.read_text()).items()})
+    launch_ok(WORKER, 1, root / "one.json", "ep_size=2", "mixtral", "--save", root / "saved-1", timeout=300)
+    sources = {"ep_size=2": root / "saved-2", "one process": root / "saved-1"}
+    for layout, world, source in RESUMED:
+        out = root / f"resumed-{world}.json"
+        launch_ok(WORKER, world, out, layout, "mixtral", "--load", sources[source], timeout=300)
+        found["resumed", layout, world] = json.loads(out.read_text())["mixtral"]
+    for layout in ("ep_size=2,zero_stage=2", "ddp"):
+        out = root / "bf16.json"
+        state = root / layout
+        launch_ok(
+            WORKER, 2, out, layout, "mixtral", "--mixed-precision", "bf16", "--state", state, timeout=300
+        )
+        found["bf16", layout] = torch.load(state.with_name(f"{state.name}.mixtral.pt"))
+    return found
+
+
+@pytest.mark.parametrize(
+    "layout, family", [(key[0], family) for key, families in TRAINED.items() for family in families]
+)
+def test_experts_divided_over_processes_train_to_the_single_process_parameters(runs, layout, family):
+    """Each process holds 2 of the 4 experts of every layer; parameters within 1e-6 of one process (measured
+    7e-9 to 1.2e-7), the load-balancing loss included (each micro-batch's, as one process accumulating
+    the same micro-batches computes it: it is not a mean over tokens). Averaging the replicas' gradients
+    instead of summing them put ep_size=2 x dp_shard_size=4 5e-4 away."""
+    run = runs[layout, family]
+    assert run["keys_match"] and run["steps"] == 3, run
+    assert run["expert_shapes"] == ["(2, 64, 48)", "(2, 96, 64)"], run  # 2 of 4 experts here
+    assert run["max_abs_diff"] < 1e-6 and run["loss_diff"] < 1e-5, run
+
+
+@pytest.mark.parametrize("layout, world, source", sorted(RESUMED))
+def test_a_checkpoint_resumes_across_expert_layouts(runs, layout, world, source):
+    """save_state under EP (DTensor experts, the model's own names and shapes), load_state on one process,
+    under EP beside ZeRO-3 on 4, and EP from one process's checkpoint; then one more step: momentum and
+    rate carried over, parameters within 1e-6 of one process's four steps."""
+    run = runs["resumed", layout, world]
+    assert run["keys_match"] and run["steps"] == 1, run
+    experts_here = 4 if world == 1 else 2
+    assert run["expert_shapes"] == [f"({experts_here}, 64, 48)", f"({experts_here}, 96, 64)"], run
+    assert run["max_abs_diff"] < 1e-6, run
+
+
+def test_bf16_under_expert_parallelism_ends_where_ddp_does(runs):
+    """bf16 autocast: EP beside ZeRO-2 against DDP on the same 2 processes (both are 6.6e-3 from one
+    process's autocast over the whole batch, which rounds differently)."""
+    ep, ddp = runs["bf16", "ep_size=2,zero_stage=2"], runs["bf16", "ddp"]
+    assert sorted(ep) == sorted(ddp)
+    assert max((ep[name] - ddp[name]).abs().max().item() for name in ddp) < 1e-5
+
+
+def test_ep_size_fills_and_divides_dp_shard():
+    config = ParallelismConfig.from_string("ep_size=2").validate(4)
+    assert (config.dp_shard_size, config.ep_size, config.zero_stage) == (4, 2, 3)
+    assert "ep=2" in config.describe()
+    one = ParallelismConfig(ep_size=2).validate(1)  # the same script under plain python: all experts local
+    assert one.ep_size is None and one.total_size == 1
+    with pytest.raises(ValueError, match=r"ep_size=4 does not divide dp_shard_size=6"):
+        ParallelismConfig(ep_size=4).validate(6)
+
+
+@pytest.mark.parametrize(
+    "layout, named",
+    [
+        ("ep_size=2,tp_size=2", "tp_size=2"),
+        ("ep_size=2,pp_size=2", "pp_size=2"),
+        ("zero3,ep_size=2,offload=true", "offload=true"),
+        ("zero1,ep_size=2", "zero_stage=1"),
+    ],
+)
+def test_layouts_expert_parallelism_does_not_run_beside_yet_are_refused(layout, named):
+    with pytest.raises(ValueError, match=rf"ep_size=2 with {named}.*beside ZeRO-2/3"):
+        ParallelismConfig.from_string(layout).validate(4)
+
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=4)
+
+
+def test_the_experts_module_of_each_family_is_found():
+    mixtral = transformers.MixtralForCausalLM(transformers.MixtralConfig(**SHAPE, num_local_experts=4))
+    assert [name for name, _ in find_experts(mixtral)] == ["model.layers.0.mlp.experts"]
+    assert [name for name, _ in check_expert_parallel(mixtral, 4)] == ["model.layers.0.mlp.experts"]
+    with pytest.raises(
+        ValueError, match=r"ep_size=3 does not divide the 4 experts of model.layers.0.mlp.experts"
+    ):
+        check_expert_parallel(mixtral, 3)
+
+
+def test_a_model_without_an_experts_module_is_refused_naming_what_is_recognised():
+    llama = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SHAPE))
+    with pytest.raises(ValueError, match=r"ep_size=2: LlamaForCausalLM has no experts module.*top_k_index"):
+        check_expert_parallel(llama, 2)
+
+    class ListOfExperts(torch.nn.Module):  # one module per expert: the layout older MoE code uses
+        def __init__(self):
+            super().__init__()
+            self.experts = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(4))
+
+    with pytest.raises(ValueError, match=r"It has experts, but as separate expert modules"):
+        check_expert_parallel(ListOfExperts(), 2)
