@@ -85,7 +85,7 @@ def test_a_mixture_of_experts_plan_is_refused_naming_its_expert_entries():
     assert message.startswith("MixtralForCausalLM carries a tensor-parallel plan from transformers"), message
     assert "'model.layers.*.mlp.experts': 'moe_tp_experts' (a mixture-of-experts style)" in message
     assert "'model.layers.*.mlp.experts.gate_up_proj': 'packed_colwise' on a parameter" in message
-    assert "parallelism='dp_shard_size=N'" in message
+    assert "parallelism='ep_size=N'" in message and "parallelism='dp_shard_size=N'" in message
 
 
 def test_a_model_without_a_plan_or_a_known_layout_is_shown_a_plan_in_its_own_names():

@@ -128,7 +128,8 @@ def translate_plan(model: nn.Module, carried: Mapping[str, str]) -> dict[str, Pa
             f"{type(model).__name__} carries a tensor-parallel plan from transformers (model.tp_plan) with "
             f"entries unison cannot apply: {'; '.join(refused)}. Tensor parallelism here splits dense layers "
             "only (colwise, rowwise, their gather/split variants, embeddings, packed_colwise on a Linear, "
-            "replicated_with_grad_allreduce): train the experts of a mixture-of-experts model with ZeRO "
+            "replicated_with_grad_allreduce): divide the experts of a mixture-of-experts model with expert "
+            "parallelism (parallelism='ep_size=N', docs/expert-parallel.md) or shard them with ZeRO "
             "(parallelism='dp_shard_size=N'), or pass tp_plan= with the dense entries only."
         )
     return plan
