@@ -159,10 +159,6 @@ class TrainingStepMethods:
         if self.gradient_accumulation_steps > 1 and not self._in_accumulate:
             self._warn_outside_accumulate()
         if self.sync_gradients:
-            if self.parallelism is not None and (self.parallelism.ep_size or 1) > 1:
-                from .parallel.experts import synchronise_expert_replicas
-
-                synchronise_expert_replicas(self._models)
             if counted is not None:
                 self._normalise_by_item_count()
             elif self._window_micro_steps < self.gradient_accumulation_steps:

@@ -166,11 +166,11 @@ def _parallelize_part(
         return wrap_ddp(model, device, {**ddp_kwargs, "process_group": _dp_group(mesh)})
     from .zero import apply_zero  # FSDP2 loads only for layouts that use it (see engines.py)
 
-    experts = None
     if (config.ep_size or 1) > 1:
         from .experts import apply_expert_parallel, expert_mesh
 
-        experts = apply_expert_parallel(model, expert_mesh(config.ep_size, device.type), config.dp_size)
+        mesh_of_experts = expert_mesh(config.ep_size, device.type)
+        apply_expert_parallel(model, mesh_of_experts, config.dp_size, fsdp_stage(config) == 3)
     return apply_zero(
         model,
         fsdp_stage(config),
@@ -178,7 +178,6 @@ def _parallelize_part(
         blocks=config.zero_blocks,
         compute_dtype=param_dtype,  # autocast's: FSDP2 gathers in it what autocast casts (precision_units.py)
         offload_policy=host_offload(device) if config.offload else None,
-        ignored_params=experts,
     )
 
 

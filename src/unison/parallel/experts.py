@@ -7,41 +7,39 @@ expert's weights as 3-D tensors (`[experts, out, in]`) whose forward takes `(hid
 top_k_weights)`, the router's choice for each token. The router, the shared experts and everything else
 stay with the data-parallel engine (ZeRO-2/3 over dp_shard); only the experts module changes:
 
-1. Its parameters become DTensors on a 2-D mesh (`ep_replicate`, `ep`): `Shard(0)` over `ep` (process j
-   of an EP group holds experts [j E/ep, (j+1) E/ep)) and replicated over `ep_replicate` (dp / ep groups
-   of EP, one beside the other, as torchtitan places them). Their names and global shapes are the
-   model's: a checkpoint saved under EP loads on one process and back (DCP reshards).
+1. Its parameters become DTensors sharded by expert over `ep` (process j of an EP group holds experts
+   [j E/ep, (j+1) E/ep)), then FSDP2 shards each process's experts over `ep_replicate` (the dp / ep EP
+   groups side by side, which hold the same experts: torchtitan's placement), as ZeRO-2/3 shards the
+   rest over dp_shard. Their names and global shapes are the model's: a checkpoint saved under EP loads
+   on one process and back (DCP reshards).
 2. Its forward is replaced on the instance (not the class) by `ExpertParallelForward`: each process sorts
    its own tokens' (token, expert) pairs by expert, sends each pair to the process holding that expert
    (`all_to_all_single` with uneven splits: capacity-free, no token dropped), runs the model's own expert
    code on what it received with its local experts only, sends the results back and combines them with
    the router's weights in the order the model's own loop adds them (expert by expert).
-3. Gradients: an expert's gradient on its process sums the contributions of its EP group's tokens,
-   where the other parameters' gradients are averaged over the data-parallel processes; a hook divides
-   it by the data-parallel degree as it arrives, and at the end of a window's backward the replicas of
-   each expert (over `ep_replicate`) are summed (`synchronise_expert_replicas`), so every parameter
-   gets what one process over the whole batch computes.
+3. Gradients: an expert's gradient on its process sums the contributions of its EP group's tokens;
+   FSDP2 sums it over `ep_replicate` and divides by the whole data-parallel degree (its gradient divide
+   factor), so every parameter gets what one process over the whole batch computes, and accumulation
+   skips that reduction as it skips the others'.
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Shard
 
 logger = logging.getLogger("unison")
 
 EXPERT_ARGUMENTS = ("top_k_index", "top_k_weights")
 """What an experts module's forward takes beside the tokens (transformers 5's experts interface)."""
-
-_EXPERT_PARALLEL = "_unison_expert_parallel"
-"""Set on an experts module expert parallelism was applied to: its `ExpertParallelForward`."""
 
 
 def is_experts_module(module: nn.Module) -> bool:
@@ -105,63 +103,32 @@ def expert_mesh(ep_size: int, device_type: str) -> DeviceMesh:
     return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("ep_replicate", "ep"))
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, dp_size: int) -> set[nn.Parameter]:
-    """Divide every experts module of `model` over `mesh["ep"]`; returns the new expert parameters (which
-    the data-parallel engine must leave alone). `dp_size`: the processes whose gradients are averaged."""
-    ep_size = mesh["ep"].size()
-    placed: set[nn.Parameter] = set()
+def apply_expert_parallel(
+    model: nn.Module, mesh: DeviceMesh, dp_size: int, reshard_after_forward: bool
+) -> None:
+    """Divide every experts module of `model` over `mesh["ep"]` and shard each process's experts with
+    FSDP2 over `mesh["ep_replicate"]`; run before the data-parallel engine, which then leaves them alone.
+
+    `dp_size`: the processes whose gradients are averaged (the experts' gradients are divided by it);
+    `reshard_after_forward`: ZeRO-3's (True) or ZeRO-2's (False) handling of the experts' shards.
+    """
+    ep_mesh = mesh["ep"]
+    ep_size = ep_mesh.size()
     for _, module in check_expert_parallel(model, ep_size):
         for name, parameter in list(module.named_parameters(recurse=False)):
-            local = parameter.detach().chunk(ep_size, dim=0)[mesh["ep"].get_local_rank()].clone()
-            sharded = nn.Parameter(
-                DTensor.from_local(local, mesh, [Replicate(), Shard(0)], run_check=False),
-                requires_grad=parameter.requires_grad,
-            )
-            if sharded.requires_grad and dp_size > 1:
-                sharded.register_hook(_divide_by(dp_size))
-            module.register_parameter(name, sharded)
-            placed.add(sharded)
-        forward = ExpertParallelForward(module, mesh)
-        setattr(module, _EXPERT_PARALLEL, forward)
-        module.forward = forward
-    return placed
-
-
-def _divide_by(count: int):
-    def divide(grad: torch.Tensor) -> torch.Tensor:
-        return grad / count
-
-    return divide
-
-
-def synchronise_expert_replicas(models: list[nn.Module]) -> None:
-    """Sum each expert's gradient over the EP groups that hold a copy of it (`ep_replicate`): each holds
-    its group's tokens' share, already divided by the data-parallel degree.
-
-    Call after the backward that ends an accumulation window, on every process. Nothing to do when
-    ep_size is the whole data-parallel degree (one copy of each expert).
-    """
-    for parameter in _expert_parameters(models):
-        if parameter.grad is None:
-            continue
-        mesh = parameter.device_mesh
-        replicas = mesh["ep_replicate"]
-        if replicas.size() > 1:
-            # each replica's gradient is already divided by the whole data-parallel degree: their sum
-            # is the average over every process's tokens
-            dist.all_reduce(parameter.grad.to_local(), group=replicas.get_group())
-
-
-def _expert_parameters(models: list[nn.Module]) -> Iterator[nn.Parameter]:
-    for model in models:
-        for module in model.modules():
-            if getattr(module, _EXPERT_PARALLEL, None) is not None:
-                yield from module.parameters(recurse=False)
-
-
-def has_expert_parallel(model: nn.Module) -> bool:
-    """True when expert parallelism was applied to some module of `model`."""
-    return any(getattr(module, _EXPERT_PARALLEL, None) is not None for module in model.modules())
+            local = parameter.detach().chunk(ep_size, dim=0)[ep_mesh.get_local_rank()].clone()
+            sharded = DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=parameter.requires_grad))
+        module.forward = ExpertParallelForward(module, ep_mesh)
+        fully_shard(module, mesh=mesh["ep_replicate"], reshard_after_forward=reshard_after_forward)
+        # FSDP2 sums over the EP groups that hold these experts; each group's gradient already sums its
+        # processes' tokens, so dividing by the whole data-parallel degree gives the average over all
+        module.set_gradient_divide_factor(float(dp_size))
+        if ep_mesh.device_type == "cpu" and mesh["ep_replicate"].size() > 1:
+            # gloo has no pre-multiplied sum: sum, then divide. Only where the sum runs: over one process
+            # torch 2.13's FSDP2 then divides twice (the copy that stands in for the collective divides,
+            # and so does the division after it), which put gradients 2x too small at ep_size = dp
+            module.set_force_sum_reduction_for_comms(True)
 
 
 class _AllToAll(torch.autograd.Function):
@@ -184,6 +151,19 @@ class _AllToAll(torch.autograd.Function):
         return returned, None, None, None
 
 
+class _ClassForward(nn.Module):
+    """Runs an experts module's class forward without the module's own __call__: FSDP2's hooks on it have
+    run already for the call being served, and `torch.func.functional_call` swaps the weights through
+    this holder ("experts.<name>") for the local slices."""
+
+    def __init__(self, experts: nn.Module) -> None:
+        super().__init__()
+        self.experts = experts
+
+    def forward(self, *args: Any) -> torch.Tensor:
+        return type(self.experts).forward(self.experts, *args)
+
+
 class ExpertParallelForward:
     """The forward of an experts module under expert parallelism (see the module docstring).
 
@@ -197,12 +177,10 @@ class ExpertParallelForward:
         self.module = module
         self.group = mesh["ep"].get_group()
         self.ep_size = mesh["ep"].size()
-        self.inside = False  # set while the model's own forward runs on the local experts
+        self.holder = _ClassForward(module)
 
     def __call__(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor):
         module = self.module
-        if self.inside:
-            return type(module).forward(module, hidden_states, top_k_index, top_k_weights)
         local = {name: p.to_local() for name, p in module.named_parameters(recurse=False)}
         experts = next(iter(module.parameters(recurse=False))).shape[0]
         per_process = experts // self.ep_size
@@ -239,13 +217,12 @@ class ExpertParallelForward:
         module = self.module
         had_count = "num_experts" in vars(module)
         saved = vars(module).get("num_experts")
-        self.inside = True
         try:
             if had_count:
                 module.num_experts = count
-            return torch.func.functional_call(module, local, (tokens, index, weights))
+            weights_of = {f"experts.{name}": tensor for name, tensor in local.items()}
+            return torch.func.functional_call(self.holder, weights_of, (tokens, index, weights))
         finally:
-            self.inside = False
             if had_count:
                 module.num_experts = saved
 

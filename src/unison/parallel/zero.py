@@ -87,7 +87,6 @@ def apply_zero(
     offload_policy: OffloadPolicy | None = None,
     ddp_kwargs: dict[str, Any] | None = None,
     compute_dtype: torch.dtype | None = None,
-    ignored_params: set[nn.Parameter] | None = None,
 ) -> nn.Module:
     """Wrap `model` (already on its device, process group initialised) for ZeRO `stage` over `mesh`.
 
@@ -97,7 +96,6 @@ def apply_zero(
     `mixed_precision_policy`: FSDP2's policy, applied to every unit as given. `compute_dtype`: instead,
     the dtype of autocast running on top: each unit gathers in it only the parameters autocast casts
     to it, so a step computes what one process under autocast computes (precision_units.py).
-    `ignored_params`: parameters FSDP2 leaves as they are (expert parallelism's, parallel/experts.py).
     """
     if stage not in ZERO_STAGES:
         raise ValueError(f"ZeRO stage={stage!r} is not supported; choose one of {ZERO_STAGES}.")
@@ -145,8 +143,6 @@ def apply_zero(
         shard_kwargs["mp_policy"] = mixed_precision_policy
     if offload_policy is not None:
         shard_kwargs["offload_policy"] = offload_policy
-    if ignored_params:
-        shard_kwargs["ignored_params"] = ignored_params
     units = resolve_blocks(model, blocks)
     if not units:
         logger.warning(
