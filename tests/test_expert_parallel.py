@@ -20,7 +20,7 @@ from launching import WORKERS, launch_ok
 transformers = pytest.importorskip("transformers")
 
 from unison.parallel.config import ParallelismConfig  # noqa: E402
-from unison.parallel.experts import check_expert_parallel, find_experts  # noqa: E402
+from unison.parallel.expert_modules import check_expert_parallel, find_experts  # noqa: E402
 
 WORKER = WORKERS / "hf_ep_worker.py"
 TRAINED = {

@@ -22,6 +22,9 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
   cannot hide (KERNEL_SECONDS); the `overhead` term is m times that. Together they make a small model's
   micro-batch of 1 slow (GPT-2 124M: 1.3x the step of micro-batch 12 on A100) and leave a large model's
   alone (a block of h = 12,288 is milliseconds of work per micro-step, the launches microseconds).
+- mixtures of experts: 6 x the active parameters per token (each token's k experts, not all of them);
+  under expert parallelism each MoE layer's two all-to-alls in forward and backward, on the critical
+  path, and ZeRO's traffic for the experts over the EP groups beside each other only.
 - communication: each collective the layout issues in one step, its bytes and the link it crosses,
   timed as NCCL's ring (bandwidth 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for a
   reduce-scatter or all-gather, plus one latency per hop) or tree (2·log2(n) latencies) algorithm,
@@ -189,7 +192,10 @@ def step_cost(
     devices = tp * pp * cp * dp
     micro_steps = batch.micro_steps(dp)
     tokens = batch.global_batch * batch.seq_len
-    model_flops = (6.0 * shape.parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len) * tokens
+    # a mixture of experts computes each token with its k experts only (shape.active_parameters)
+    model_flops = (
+        6.0 * shape.active_parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len
+    ) * tokens
     hardware_flops = model_flops * (4 / 3 if batch.recompute else 1.0)
     rows = batch.micro_batch_size * batch.seq_len / cp  # of each matrix multiplication, per micro-batch
     rate = device.peak_flops * efficiency * shape.hidden / (shape.hidden + HIDDEN_HALF_EFFICIENCY)
@@ -223,10 +229,12 @@ def step_cost(
     exposed: dict[str, float] = {}
     stage_parameters = shape.parameters / (tp * pp)  # what one device holds before data-parallel sharding
     blocks = max(1, shape.layers // pp)
+    ep = config.ep_size or 1
+    experts = shape.expert_parameters if ep > 1 else 0
     if dp > 1:
         _data_parallel(
             config,
-            stage_parameters,
+            stage_parameters - experts,
             blocks,
             micro_steps,
             compute,
@@ -236,6 +244,10 @@ def step_cost(
             (tp * cp, shards, replicas),
             communication,
             exposed,
+        )
+    if experts:
+        _expert_parallel(
+            shape, config, batch, micro_steps, compute, link, (tp * cp, shards), communication, exposed
         )
     if tp > 1:
         activation = batch.micro_batch_size * batch.seq_len // cp * shape.hidden * ACTIVATION_BYTES
@@ -340,6 +352,53 @@ def _data_parallel(
     hidden = min(total, compute)
     for kind in [k for k in communication if k.startswith(("zero", "hsdp"))]:
         exposed[kind] = communication[kind] * (1 - hidden / total) if total else 0.0
+
+
+def _expert_parallel(
+    shape: ModelShape,
+    config: ParallelismConfig,
+    batch: Batch,
+    micro_steps: int,
+    compute: float,
+    link: Any,
+    strides: tuple[int, int],
+    communication: dict[str, float],
+    exposed: dict[str, float],
+) -> None:
+    """Expert parallelism's traffic: each MoE layer's two all-to-alls (tokens to their experts and back)
+    in forward and again in backward (and in the recomputed forward), on the critical path; and FSDP2's
+    gathers and reduce-scatters of each process's experts over the EP groups beside it, hidden under the
+    compute with ZeRO's own (the share of the compute left after ZeRO's traffic)."""
+    inner, shards = strides
+    ep = config.ep_size
+    layers = max(1, shape.expert_layers)
+    # every token's hidden state goes to each of its k experts; (ep-1)/ep of it leaves the device
+    routed = batch.micro_batch_size * batch.seq_len * shape.experts_per_token * (shape.hidden or 0)
+    per_layer = 6 if batch.recompute else 4
+    a2a = micro_steps * layers * per_layer * _all_to_all(routed * ACTIVATION_BYTES, ep, link(inner, ep))
+    communication["ep all-to-all"] = exposed["ep all-to-all"] = a2a
+    groups = shards // ep
+    held = shape.expert_parameters / ep
+    gathers = 2 if config.zero_stage == 3 else 1
+    expert_link = link(inner * ep, groups)
+    gather = (
+        micro_steps * layers * gathers * _all_gather(held * ACTIVATION_BYTES / layers, groups, expert_link)
+    )
+    scatter = micro_steps * layers * _reduce_scatter(held * GRADIENT_BYTES / layers, groups, expert_link)
+    communication["ep experts all-gather"] = gather
+    communication["ep experts reduce-scatter"] = scatter
+    sharded = [k for k in communication if k.startswith(("zero", "hsdp", "ep experts"))]
+    total = sum(communication[k] for k in sharded)
+    hidden = min(total, compute)
+    for kind in sharded:
+        exposed[kind] = communication[kind] * (1 - hidden / total) if total else 0.0
+
+
+def _all_to_all(size: float, ranks: int, link: _Link) -> float:
+    """A pairwise all-to-all in which each rank holds `size` bytes, 1/ranks of it for each peer."""
+    if ranks < 2:
+        return 0.0
+    return (ranks - 1) / ranks * size / link.bandwidth + (ranks - 1) * link.latency
 
 
 def _all_reduce(size: float, ranks: int, link: _Link) -> float:

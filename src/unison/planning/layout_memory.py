@@ -50,6 +50,7 @@ def layout_memory(
 
     Share: Ψ/tp without a pipeline; with one, the heaviest stage (its blocks, rounded up, plus half the
     parameters outside the blocks: embedding on the first stage, output layer on the last), over tp.
+    Under expert parallelism the experts' share is 1/ep, sharded over the shard/ep EP groups beside it.
     ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters
     (in the compute dtype: bf16 under bf16-mixed). bf16-mixed adds autocast's bf16 copies of the share's
     trainable weights where they are fp32 when computed (memory.autocast_copy_bytes: not under ZeRO-2/3);
@@ -69,12 +70,23 @@ def layout_memory(
     strategy = f"zero{stage}" if stage else "ddp"
     if config.offload:
         strategy += "_offload"
+    ep = config.ep_size or 1
+    experts = shape.expert_parameters if ep > 1 else 0  # EP runs without tp and pp: every expert is held
     params, grads, optim = memory.model_state_bytes(
-        strategy, precision, held, trainable, shard if stage else 1
+        strategy,
+        precision,
+        held - experts,
+        math.ceil((held - experts) * trainable / held) if held else 0,
+        shard if stage else 1,
     )
+    if experts:  # each process's experts/ep, sharded over the EP groups beside it (shard/ep of them)
+        expert_state = memory.model_state_bytes(
+            strategy, precision, experts // ep, math.ceil(experts * trainable / held) // ep, shard // ep
+        )
+        params, grads, optim = (a + b for a, b in zip((params, grads, optim), expert_state))
     if stage in (2, 3) and shard > 1:
         extra_params, extra_grads = memory.zero_gathered_unit_bytes(
-            strategy, precision, math.ceil(facts.largest_unit / tp)
+            strategy, precision, math.ceil(_gathered_unit(facts, ep) / tp)
         )
         params, grads = params + extra_params, grads + extra_grads
     cast = (
@@ -84,6 +96,15 @@ def layout_memory(
     )
     params += memory.autocast_copy_bytes(precision, cast, strategy)
     return PlanMemory(params, grads, optim, activations(facts, workload, tp), device_memory)
+
+
+def _gathered_unit(facts: ModelFacts, ep: int) -> int:
+    """Parameters ZeRO-3 gathers at once: a block with, under expert parallelism, its experts' 1/ep."""
+    shape = facts.shape
+    if ep == 1 or not shape.expert_layers or not facts.blocks:
+        return facts.largest_unit
+    in_block = shape.expert_parameters // shape.expert_layers
+    return max(facts.block_parameters - in_block + in_block // ep, facts.root_parameters)
 
 
 def activations(facts: ModelFacts, workload: Workload, tp: int) -> int | None:

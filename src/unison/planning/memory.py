@@ -45,6 +45,7 @@ first stage holds p micro-batches of its L/p blocks, the same total (the paper's
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -58,6 +59,7 @@ import torch
 import torch.nn as nn
 
 from ..parallel.blocks import find_blocks
+from ..parallel.expert_modules import experts_per_token, find_experts
 from .memory_terms import PRECISIONS as PRECISIONS
 from .memory_terms import STRATEGIES, Precision
 from .memory_terms import format_bytes as format_bytes
@@ -80,6 +82,21 @@ class ModelShape:
     largest_unit: int | None = None  # parameters FSDP2 gathers at once (see zero_gathered_unit_bytes)
     block_linear_outputs: int | None = None  # one block's Linear output widths summed (selective AC keeps)
     block_parameters: int | None = None  # of one block (the casts activation checkpointing does not keep)
+    expert_parameters: int = 0  # in mixture-of-experts experts modules (parallel/expert_modules.py)
+    experts: int = 0  # experts per MoE layer
+    expert_layers: int = 0  # MoE layers (experts modules)
+    experts_per_token: int = 0  # top-k: experts each token is computed by
+
+    @property
+    def active_parameters(self) -> int:
+        """Parameters one token is computed with: every expert's share only for the k experts it goes to."""
+        if not self.experts:
+            return self.parameters
+        return (
+            self.parameters
+            - self.expert_parameters
+            + self.expert_parameters * self.experts_per_token // self.experts
+        )
 
 
 @dataclass(frozen=True)
@@ -191,7 +208,26 @@ def inspect_model(model: nn.Module) -> ModelShape:
 
     A model counts as a transformer when its block list's blocks hold a module whose class name says
     attention (or nn.MultiheadAttention); the hidden size is the first Linear's input size in a block.
+    A mixture of experts also gets its experts' parameters, count and top-k (`moe_shape`).
     """
+    return dataclasses.replace(_dense_shape(model), **moe_shape(model))
+
+
+def moe_shape(model: nn.Module) -> dict[str, int]:
+    """ModelShape's expert fields of `model` (all 0 for a dense model)."""
+    found = find_experts(model)
+    if not found:
+        return {}
+    counts = [next(iter(module.parameters(recurse=False))).shape[0] for _, module in found]
+    return {
+        "expert_parameters": sum(p.numel() for _, module in found for p in module.parameters(recurse=False)),
+        "experts": max(counts),
+        "expert_layers": len(found),
+        "experts_per_token": experts_per_token(model) or 1,
+    }
+
+
+def _dense_shape(model: nn.Module) -> ModelShape:
     parameters = list(model.parameters())
     total = sum(p.numel() for p in parameters)
     trainable = sum(p.numel() for p in parameters if p.requires_grad)

@@ -277,6 +277,8 @@ def _ranked_layouts(facts: ModelFacts, hw: Hardware, workload: Workload) -> list
     def pipelines(tp: int) -> list[tuple]:
         return [(tp, pp, "zero1") for pp in pp_degrees(tp)]
 
+    # a mixture of experts: its experts divided over EP groups inside a node, the rest ZeRO over all
+    experts = [(1, 1, f"ep{e}_zero{z}") for e in _ep_degrees(facts, hw) for z in (2, 3)]
     order: list[tuple] = []
     if hw.nodes > 1 and _huge(facts, hw, workload):
         top = max(tps, default=1)
@@ -284,7 +286,7 @@ def _ranked_layouts(facts: ModelFacts, hw: Hardware, workload: Workload) -> list
     if hw.nodes == 1 and not LINKS_WITHIN_NODE[hw.interconnect]:
         order += plain(1) + pipelines(1) + sharded(1)
     for tp in (1, *tps):
-        order += plain(tp) + sharded(tp)
+        order += plain(tp) + (experts if tp == 1 else []) + sharded(tp)
     for tp in (1, *tps):
         order += pipelines(tp)
     # then the rest (DDP or ZeRO-2/3 under a pipeline), the smallest model split first
@@ -324,6 +326,16 @@ def _tp_degrees(facts: ModelFacts, per_node: int) -> list[int]:
     ]
 
 
+def _ep_degrees(facts: ModelFacts, hw: Hardware) -> list[int]:
+    """Expert-parallel degrees > 1 that divide the experts per layer and a node's devices (the all-to-alls
+    then stay on the fast intra-node link, as Megatron-LM and torchtitan place them); none for a dense
+    model."""
+    experts, per_node = facts.shape.experts, hw.devices_per_node
+    if experts < 2:
+        return []
+    return [e for e in range(2, per_node + 1) if experts % e == 0 and per_node % e == 0]
+
+
 def _pp_degrees(facts: ModelFacts, devices: int) -> list[int]:
     """Pipeline degrees > 1 that divide `devices` and give every stage at least one block; those that
     also divide the blocks first (equal stages), so they win a tie in speed."""
@@ -349,6 +361,11 @@ def _config(hw: Hardware, tp: int, pp: int, data: str) -> ParallelismConfig | No
         if dp < 2:
             return None
         options.update(dp_replicate_size=1, dp_shard_size=dp, zero_stage=int(data[-1]))
+    elif data.startswith("ep"):  # "ep4_zero3": ep_size=4 beside ZeRO-3 over every device
+        ep, zero = data[2:].split("_zero")
+        if tp > 1 or pp > 1 or dp % int(ep):
+            return None
+        options.update(dp_replicate_size=1, dp_shard_size=dp, zero_stage=int(zero), ep_size=int(ep))
     else:  # hsdp: shard inside each node, replicate across nodes
         shard = hw.devices_per_node // tp
         if pp > 1 or hw.nodes < 2 or hw.devices_per_node % tp or shard < 2:
@@ -374,6 +391,14 @@ def _why(config: ParallelismConfig) -> str:
             f"bubble {formula} = {(p - 1) / (v * m + p - 1):.0%}"
         )
     shard, stage, replicas = config.dp_shard_size, config.zero_stage, config.dp_replicate_size
+    if (config.ep_size or 1) > 1:
+        ep = config.ep_size
+        parts.append(
+            f"EP {ep} inside a node: each device computes 1/{ep} of every MoE layer's experts, tokens "
+            f"sent to them and back by all-to-all; ZeRO-{stage} over {shard} for the rest, over the "
+            f"{shard // ep} EP groups beside each other for the experts"
+        )
+        return "; ".join(parts)
     if stage and replicas > 1:
         parts.append(
             f"HSDP: ZeRO-{stage} over {shard} devices inside each node, {replicas} replicas across nodes; "
