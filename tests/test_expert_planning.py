@@ -9,6 +9,8 @@ Mixtral recipes, torchtitan's MoE placement); on 8 H100s its full training state
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -96,3 +98,20 @@ def test_mixtral_on_8_h100s_fits_no_layout_on_the_devices_and_offloads(mixtral):
     ep = ParallelismConfig(ep_size=8, dp_shard_size=8, zero_stage=3).validate(8)
     need = plan_memory.layout_memory(mixtral, parse_memory("80GB"), Workload("bf16-mixed"), ep)
     assert need.fraction > 1  # the model state alone: 16 bytes x 46.7B / 8
+
+
+def test_estimate_memory_adds_an_expert_parallel_row_for_a_mixture_of_experts(mixtral):
+    """`unison estimate-memory` at 64 devices: ep8 + ZeRO-3 beside ZeRO-3, the same Adam state (both
+    shard every parameter over 64) and a smaller gathered block."""
+    from unison.planning.memory_table import estimate
+
+    result = estimate(mixtral.shape, 64)
+    rows = {row.strategy: row for row in result.rows if row.precision == "fp32"}
+    ep, zero3 = rows["ep8_zero3"], rows["zero3"]
+    assert ep.optimizer == zero3.optimizer == 8 * -(-mixtral.shape.parameters // 64)
+    dense = mixtral.shape.parameters - mixtral.shape.expert_parameters
+    state = 4 * (-(-dense // 64) + -(-(mixtral.shape.expert_parameters // 8) // 8))
+    assert state < ep.parameters < zero3.parameters  # its gathered unit: the embedding, not a whole block
+    assert any("ep=8 + ZeRO-3 row divides the experts over 8 processes" in note for note in result.notes)
+    dense_model = estimate(dataclasses.replace(mixtral.shape, experts=0, expert_parameters=0), 64)
+    assert not any(row.strategy.startswith("ep") for row in dense_model.rows)

@@ -9,6 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..parallel.checkpointing_modes import normalize_mode
+from ..planning.memory_table import expert_parallel_label
 from ..planning.memory_terms import PRECISIONS, STRATEGIES, format_bytes
 
 if TYPE_CHECKING:
@@ -142,7 +143,7 @@ def format_table(target: str, result: MemoryEstimate) -> str:
             cells = [row.parameters, row.gradients, row.optimizer]
             activations = "-" if row.activations is None else format_bytes(row.activations)
             lines.append(
-                f"  {labels[row.strategy]:<26}"
+                f"  {labels.get(row.strategy) or expert_parallel_label(row.strategy):<26}"
                 + "".join(f"{format_bytes(c):>12}" for c in cells)
                 + f"{activations:>13}{format_bytes(row.total):>12}"
             )

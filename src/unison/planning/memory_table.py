@@ -59,6 +59,20 @@ def estimate(
         f"({format_bytes(offloaded)} per process in fp32); the device holds the unit being computed and "
         "the activations.",
     ]
+    ep = math.gcd(devices, shape.experts) if shape.experts > 1 else 1
+    if shape.experts:
+        notes.append(
+            f"mixture of experts: {shape.expert_parameters:,} of the parameters are in {shape.expert_layers} "
+            f"experts modules of {shape.experts} experts, {shape.experts_per_token} per token "
+            f"({shape.active_parameters:,} parameters compute each token)"
+            + (
+                f"; the ep={ep} + ZeRO-3 row divides the experts over {ep} processes and shards each "
+                f"process's over the {devices // ep} EP groups beside each other (docs/expert-parallel.md)"
+                if ep > 1
+                else ""
+            )
+            + "; activations count the experts as one dense MLP."
+        )
     with_activations = micro_batch_size is not None
     if with_activations and shape.layers is None:
         notes.append("not recognised as a transformer (no block list with attention): activations skipped.")
@@ -108,4 +122,31 @@ def estimate(
                     loss_gradients=True,  # a single step's peak, as torch's cross-entropy runs it
                 )
             rows.append(DeviceMemory(precision.name, strategy, is_estimate, p, g, o, activations))
+            if strategy == "zero3" and ep > 1:
+                rows.append(_expert_parallel_row(shape, precision, devices, ep, activations))
     return MemoryEstimate(shape, devices, micro_batch_size, seq_len, tuple(rows), tuple(notes))
+
+
+def expert_parallel_label(strategy: str) -> str | None:
+    """The table's label of an expert-parallel row ("ep8 + ZeRO-3"), None for the other strategies."""
+    return f"{strategy.split('_')[0]} + ZeRO-3" if strategy.startswith("ep") else None
+
+
+def _expert_parallel_row(
+    shape: ModelShape, precision, devices: int, ep: int, activations: int | None
+) -> DeviceMemory:
+    """ZeRO-3 with the experts divided over `ep` processes and sharded over the devices/ep EP groups."""
+    dense = shape.parameters - shape.expert_parameters
+    trainable = shape.trainable_parameters / shape.parameters
+    p, g, o = model_state_bytes("zero3", precision, dense, math.ceil(dense * trainable), devices)
+    experts = shape.expert_parameters // ep
+    ep_p, ep_g, ep_o = model_state_bytes(
+        "zero3", precision, experts, math.ceil(experts * trainable), devices // ep
+    )
+    in_block = shape.expert_parameters // max(1, shape.expert_layers)
+    block = (shape.block_parameters or 0) - in_block + in_block // ep
+    unit = max(block, shape.parameters - (shape.block_parameters or 0) * (shape.layers or 0))
+    extra_p, extra_g = zero_gathered_unit_bytes("zero3", precision, unit)
+    return DeviceMemory(
+        precision.name, f"ep{ep}_zero3", False, p + ep_p + extra_p, g + ep_g + extra_g, o + ep_o, activations
+    )
