@@ -28,6 +28,8 @@ class GPTConfig:
     n_embd: int = 128
     dropout: float = 0.0
     bias: bool = True  # biases in Linear and LayerNorm layers, as GPT-2
+    n_experts: int = 0  # > 0: each block's MLP is a mixture of this many experts (MoE below)
+    experts_per_token: int = 2  # the experts each token is computed by, in a mixture
 
 
 class CausalSelfAttention(nn.Module):
@@ -73,6 +75,50 @@ class MLP(nn.Module):
         return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
 
 
+class Experts(nn.Module):
+    """Every expert's MLP in one weight tensor per layer ([experts, out, in]), each run on its tokens.
+
+    The forward takes transformers' experts arguments (the tokens, each token's chosen experts and their
+    weights), which unison's expert parallelism recognises: under `ep_size` each process runs this very
+    code on its own experts and the tokens sent to them (docs/expert-parallel.md).
+    """
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Parameter(torch.empty(config.n_experts, 4 * config.n_embd, config.n_embd))
+        self.gelu = nn.GELU(approximate="tanh")
+        self.c_proj = nn.Parameter(torch.empty(config.n_experts, config.n_embd, 4 * config.n_embd))
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        out = torch.zeros_like(hidden_states)
+        for expert in range(self.c_fc.shape[0]):
+            token, slot = torch.where(top_k_index == expert)
+            hidden = self.gelu(F.linear(hidden_states[token], self.c_fc[expert]))
+            computed = F.linear(hidden, self.c_proj[expert]) * top_k_weights[token, slot, None]
+            out.index_add_(0, token, computed.to(out.dtype))
+        return out
+
+
+class MoE(nn.Module):
+    """A mixture of experts in the MLP's place: a router scores each token against every expert, and the
+    token is computed by its `experts_per_token` best, their outputs weighted by the router's scores."""
+
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.router = nn.Linear(config.n_embd, config.n_experts, bias=False)
+        self.experts = Experts(config)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        scores = F.softmax(self.router(tokens).float(), dim=-1)
+        weights, chosen = torch.topk(scores, self.top_k, dim=-1)
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+        return self.experts(tokens, chosen, weights).reshape(x.shape)
+
+
 class Block(nn.Module):
     """Pre-norm transformer block: x + attention(norm(x)), then x + mlp(norm(x))."""
 
@@ -81,7 +127,7 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
         self.attn = CausalSelfAttention(config)
         self.ln_2 = nn.LayerNorm(config.n_embd, bias=config.bias)
-        self.mlp = MLP(config)
+        self.mlp = MoE(config) if config.n_experts else MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.ln_1(x))
@@ -121,6 +167,9 @@ class GPT(nn.Module):
                 nn.init.zeros_(module.bias)
         elif isinstance(module, nn.Embedding):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        elif isinstance(module, Experts):  # the residual projection scaled as the dense MLP's
+            nn.init.normal_(module.c_fc, mean=0.0, std=0.02)
+            nn.init.normal_(module.c_proj, mean=0.0, std=0.02 / math.sqrt(2 * self.config.n_layer))
 
     def num_parameters(self) -> int:
         """Parameter count, the tied embedding counted once."""

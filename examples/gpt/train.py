@@ -55,6 +55,13 @@ def parse_args() -> argparse.Namespace:
     arg("--n-head", type=int, default=4, help="attention heads per block")
     arg("--n-embd", type=int, default=128, help="width of the residual stream")
     arg("--dropout", type=float, default=0.0, help="dropout probability")
+    arg(
+        "--n-experts",
+        type=int,
+        default=0,
+        help="> 0: each block's MLP becomes a mixture of this many experts, 2 per token (with "
+        "--parallelism ep_size=N they are divided over the processes)",
+    )
     arg("--lr", type=float, default=3e-3, help="peak learning rate")
     arg("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr * this")
     arg("--warmup-steps", type=int, default=30, help="optimizer steps of linear warmup")
@@ -199,6 +206,7 @@ def main() -> None:
         n_head=args.n_head,
         n_embd=args.n_embd,
         dropout=args.dropout,
+        n_experts=args.n_experts,
     )
     model = GPT(config)
     n_params = model.num_parameters()  # before prepare(), which may shard or split it

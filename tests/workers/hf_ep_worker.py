@@ -9,7 +9,8 @@ process, plain torch, on each step's whole batch. What each family's experts exe
 
 - mixtral: gate|up fused in one [experts, 2 x inner, hidden] tensor, the router's weights renormalised;
 - qwen2_moe: beside a shared expert with its own sigmoid gate (dense, left to ZeRO);
-- olmoe: q_norm / k_norm in attention, router weights not renormalised.
+- olmoe: q_norm / k_norm in attention, router weights not renormalised;
+- gpt_moe: the MoE block of unison's own example (examples/gpt/model.py, n_experts=4).
 
 A family spec "mixtral+aux" also trains on the model's load-balancing loss (each process's over its own
 micro-batch; the reference computes it over the same micro-batches). --save DIR saves the trained state;
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +31,9 @@ import transformers
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, init_empty_weights
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
+from model import GPT, GPTConfig  # noqa: E402  (the example's MoE block)
 
 STEPS = 3
 BATCH = 8
@@ -57,6 +62,9 @@ FAMILIES = {
     ),
     "olmoe": lambda: transformers.OlmoeForCausalLM(
         transformers.OlmoeConfig(**SHAPE, intermediate_size=48, num_experts=4, pad_token_id=0)
+    ),
+    "gpt_moe": lambda: GPT(
+        GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64, n_experts=4)
     ),
 }
 
@@ -94,7 +102,8 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) ->
     """Cross-entropy, plus the load-balancing loss where the model returns it: computed by each process
     over its own micro-batch, as one process computes it over each micro-batch it accumulates."""
     output = model(ids)
-    loss = F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+    logits = output[0] if isinstance(output, tuple) else output.logits  # examples/gpt returns (logits, loss)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
     return loss if getattr(output, "aux_loss", None) is None else loss + AUX * output.aux_loss
 
 
@@ -195,9 +204,10 @@ def train(
     result = {"loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "steps": len(losses)}
     unwrapped = accelerator.unwrap_model(model)
     result["sharded_parameters"] = sum(hasattr(p, "placements") for p in unwrapped.parameters())
-    result["expert_shapes"] = sorted(
+    # how many experts this process stores of each layer (the leading dimension of its local shards)
+    result["experts_held"] = sorted(
         {
-            str(tuple(getattr(p, "_local_tensor", p).shape))
+            (p.to_local() if hasattr(p, "placements") else p).shape[0]
             for n, p in unwrapped.named_parameters()
             if ".experts." in n
         }
