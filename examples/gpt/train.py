@@ -59,8 +59,8 @@ def parse_args() -> argparse.Namespace:
         "--n-experts",
         type=int,
         default=0,
-        help="> 0: each block's MLP becomes a mixture of this many experts, 2 per token (with "
-        "--parallelism ep_size=N they are divided over the processes)",
+        help="experts per block: each block's MLP becomes a mixture of this many experts, 2 per token "
+        "(0: dense; with --parallelism ep_size=N they are divided over the processes)",
     )
     arg("--lr", type=float, default=3e-3, help="peak learning rate")
     arg("--min-lr-ratio", type=float, default=0.1, help="the cosine schedule ends at lr * this")
