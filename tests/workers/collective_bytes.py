@@ -27,12 +27,13 @@ _PAYLOAD_ARGUMENT = {
     "allreduce_": 0,
     "allreduce_coalesced_": 0,
     "broadcast_": 0,
+    "alltoall_base_": 1,  # all_to_all_single: (output, input, ...)
 }
 
 
 class CollectiveBytes(TorchDispatchMode):
     """Within `with CollectiveBytes() as counted:`, `counted.sent` maps a kind ("all_gather",
-    "reduce_scatter", "all_reduce", "broadcast") to the bytes this rank put into it."""
+    "reduce_scatter", "all_reduce", "broadcast", "all_to_all") to the bytes this rank put into it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -47,7 +48,9 @@ class CollectiveBytes(TorchDispatchMode):
 
 
 def _kind(op: str) -> str:
-    for kind in ("allgather", "reduce_scatter", "allreduce", "broadcast"):
+    for kind in ("allgather", "reduce_scatter", "allreduce", "broadcast", "alltoall"):
         if kind in op:
-            return {"allgather": "all_gather", "allreduce": "all_reduce"}.get(kind, kind)
+            return {"allgather": "all_gather", "allreduce": "all_reduce", "alltoall": "all_to_all"}.get(
+                kind, kind
+            )
     raise AssertionError(op)
