@@ -94,8 +94,14 @@ def rows(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
+EXTRA_ROWS = 0
+"""Rows after the STEPS whole steps (--short-window: one micro-step's over all processes, so the last
+accumulation window has 1 of its 2 micro-batches and is averaged over it, as one process does)."""
+
+
 def make_dataset() -> TensorDataset:
-    return TensorDataset(*rows(STEPS * BATCH, 3), torch.arange(STEPS * BATCH))
+    count = STEPS * BATCH + EXTRA_ROWS
+    return TensorDataset(*rows(count, 3), torch.arange(count))
 
 
 def loss_of(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -176,6 +182,8 @@ def train(
             if len(window) == ACCUMULATION:
                 losses.append(sum(window) / ACCUMULATION)
                 window = []
+        if window:  # a short last window
+            losses.append(sum(window) / len(window))
         if save is not None:
             accelerator.save_state(save / spec)
     else:
@@ -201,7 +209,10 @@ def train(
     with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
         expected, expected_losses = reference(spec, groups, extra=load is not None)
     expected_losses = expected_losses[-len(losses) :]
-    result = {"loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses)), "steps": len(losses)}
+    result = {
+        "loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True)),
+        "steps": len(losses),
+    }
     unwrapped = accelerator.unwrap_model(model)
     result["sharded_parameters"] = sum(hasattr(p, "placements") for p in unwrapped.parameters())
     # how many experts this process stores of each layer (the leading dimension of its local shards)
@@ -227,12 +238,15 @@ def main() -> None:
     parser.add_argument("families", nargs="+", help="family, or family+aux for the load-balancing loss")
     parser.add_argument("--save", type=Path, help="save_state after training, into SAVE/<family>")
     parser.add_argument("--load", type=Path, help="load_state from LOAD/<family>, then one more step")
-    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16"))
+    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     parser.add_argument("--meta", action="store_true", help="build the model inside init_empty_weights()")
+    parser.add_argument("--short-window", action="store_true", help="end with a window of 1 micro-batch")
     parser.add_argument(
         "--state", type=Path, help="write the trained model's full state to STATE.<family>.pt"
     )
     args = parser.parse_args()
+    global EXTRA_ROWS
+    EXTRA_ROWS = BATCH // ACCUMULATION if args.short_window else 0
     state = PartialState(cpu=True)
     report = {
         spec: train(spec, args.layout, args.save, args.load, args.mixed_precision, args.meta, args.state)
