@@ -25,7 +25,15 @@ from unison.parallel.expert_modules import check_expert_parallel, find_experts  
 
 WORKER = WORKERS / "hf_ep_worker.py"
 TRAINED = {
-    ("ep_size=2", 2): ["mixtral", "qwen2_moe", "olmoe", "mixtral+aux", "olmoe+aux", "gpt_moe"],
+    ("ep_size=2", 2): [
+        "mixtral",
+        "qwen2_moe",
+        "olmoe",
+        "mixtral+aux",
+        "olmoe+aux",
+        "gpt_moe",
+        "mixtral_one_sided",
+    ],
     ("ep_size=2,dp_shard_size=4", 4): ["mixtral", "qwen2_moe+aux", "gpt_moe"],
 }
 EDGES = {  # a short last accumulation window; the example built on the meta device (its init replayed)
@@ -72,8 +80,11 @@ def runs(tmp_path_factory):
 def test_experts_divided_over_processes_train_to_the_single_process_parameters(runs, layout, family):
     """Each process holds 2 of the 4 experts of every layer; parameters within 1e-6 of one process (measured
     7e-9 to 1.2e-7), the load-balancing loss included (each micro-batch's, as one process accumulating
-    the same micro-batches computes it: it is not a mean over tokens). Averaging the replicas' gradients
-    instead of summing them put ep_size=2 x dp_shard_size=4 5e-4 away."""
+    the same micro-batches computes it: it is not a mean over tokens). An expert gradient off by a factor
+    of 2 (an early version's) was 4.9e-4 away. mixtral_one_sided routes every token to one process of the
+    EP group under transformers' eager loop: the other computes nothing, and without unison tying its
+    empty result to the arrival and the weights the ranks' backward all-to-alls diverged (the watchdog
+    reported it within 5 s)."""
     run = runs[layout, family]
     assert run["keys_match"] and run["steps"] == 3, run
     held = 2 if layout == "ep_size=2" else 1  # 2 of 4 experts; beside another EP group, half of those

@@ -10,7 +10,8 @@ process, plain torch, on each step's whole batch. What each family's experts exe
 - mixtral: gate|up fused in one [experts, 2 x inner, hidden] tensor, the router's weights renormalised;
 - qwen2_moe: beside a shared expert with its own sigmoid gate (dense, left to ZeRO);
 - olmoe: q_norm / k_norm in attention, router weights not renormalised;
-- gpt_moe: the MoE block of unison's own example (examples/gpt/model.py, n_experts=4).
+- gpt_moe: the MoE block of unison's own example (examples/gpt/model.py, n_experts=4);
+- mixtral_one_sided: Mixtral with every token routed to the experts of one process of the EP group.
 
 A family spec "mixtral+aux" also trains on the model's load-balancing loss (each process's over its own
 micro-batch; the reference computes it over the same micro-batches). --save DIR saves the trained state;
@@ -66,7 +67,20 @@ FAMILIES = {
     "gpt_moe": lambda: GPT(
         GPTConfig(block_size=SEQ, vocab_size=VOCAB, n_layer=2, n_head=4, n_embd=64, n_experts=4)
     ),
+    "mixtral_one_sided": lambda: one_sided(FAMILIES["mixtral"]()),
 }
+
+
+def one_sided(model: torch.nn.Module) -> torch.nn.Module:
+    """Each router zeroed and frozen: every token scores the 4 experts alike and goes to the same 2
+    (torch.topk's pick among ties), so the other process of an EP group receives no token, and
+    transformers' eager loop, which visits only the experts that got tokens, computes nothing there."""
+    for name, parameter in model.named_parameters():
+        if name.endswith("mlp.gate.weight"):
+            parameter.data.zero_()
+            parameter.requires_grad_(False)
+    model.set_experts_implementation("eager")  # 5.24's default, grouped_mm, touches every weight anyway
+    return model
 
 
 AUX = 0.1

@@ -25,7 +25,6 @@ stay with the data-parallel engine (ZeRO-2/3 over dp_shard); only the experts mo
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
@@ -36,8 +35,6 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Shard
 
 from .expert_modules import check_expert_parallel
-
-logger = logging.getLogger("unison")
 
 
 def expert_mesh(ep_size: int, device_type: str) -> DeviceMesh:
@@ -128,7 +125,7 @@ class ExpertParallelForward:
         local = {name: p.to_local() for name, p in module.named_parameters(recurse=False)}
         experts = next(iter(module.parameters(recurse=False))).shape[0]
         per_process = experts // self.ep_size
-        tokens, k = top_k_index.shape
+        k = top_k_index.shape[1]
         chosen = top_k_index.reshape(-1)
         order = torch.argsort(chosen, stable=True)  # (token, slot) pairs, expert by expert
         token_of = order // k
@@ -142,9 +139,12 @@ class ExpertParallelForward:
         local_index = local_expert.repeat_interleave(received_counts)[:, None]
         ones = torch.ones(local_index.shape, dtype=top_k_weights.dtype, device=top_k_weights.device)
         computed = self._run_local_experts(local, arrived, local_index, ones, per_process)
-        # every process takes part in both backward all-to-alls, and every local weight gets a gradient
-        # (zero where no token came), even when no token arrived here
-        computed = computed + sum(weight.sum() for weight in local.values()) * 0
+        if not len(arrived):
+            # no token came (a model's loop that visits only the experts with tokens computes nothing):
+            # tie the empty result to the empty arrival and to the weights all the same, so this process
+            # takes part in both backward all-to-alls and its weights get a (zero) gradient, as FSDP2's
+            # reduce-scatter over the EP groups needs on every process
+            computed = computed + (arrived.sum() + sum(weight.sum() for weight in local.values())) * 0
         returned = _AllToAll.apply(computed, receive, send, self.group)
         weighted = returned * top_k_weights.reshape(-1)[order, None]
         combined = torch.zeros_like(hidden_states)
