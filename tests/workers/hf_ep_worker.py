@@ -162,17 +162,14 @@ def micro_step(accelerator, model, optimizer, scheduler, ids, targets) -> float:
     return accelerator.reduce(loss.detach(), "mean").item()  # over the data-parallel ranks
 
 
-def train(
-    spec: str,
-    layout: str,
-    save: Path | None,
-    load: Path | None,
-    precision: str,
-    meta: bool,
-    state_out: Path | None,
-) -> dict:
+def train(spec: str, layout: str, args: argparse.Namespace) -> dict:
+    save, load, precision, meta, state_out = args.save, args.load, args.mixed_precision, args.meta, args.state
     accelerator = Accelerator(
-        cpu=True, parallelism=layout, gradient_accumulation_steps=ACCUMULATION, mixed_precision=precision
+        cpu=True,
+        parallelism=layout,
+        gradient_accumulation_steps=ACCUMULATION,
+        mixed_precision=precision,
+        dynamo_backend=args.dynamo_backend,
     )
     if meta:
         with init_empty_weights():
@@ -255,6 +252,7 @@ def main() -> None:
     parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
     parser.add_argument("--meta", action="store_true", help="build the model inside init_empty_weights()")
     parser.add_argument("--short-window", action="store_true", help="end with a window of 1 micro-batch")
+    parser.add_argument("--dynamo-backend", default="no", help="compile each block with this backend")
     parser.add_argument(
         "--state", type=Path, help="write the trained model's full state to STATE.<family>.pt"
     )
@@ -262,10 +260,7 @@ def main() -> None:
     global EXTRA_ROWS
     EXTRA_ROWS = BATCH // ACCUMULATION if args.short_window else 0
     state = PartialState(cpu=True)
-    report = {
-        spec: train(spec, args.layout, args.save, args.load, args.mixed_precision, args.meta, args.state)
-        for spec in args.families
-    }
+    report = {spec: train(spec, args.layout, args) for spec in args.families}
     if state.is_main_process:
         args.out.write_text(json.dumps(report))
 

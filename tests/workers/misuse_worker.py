@@ -161,6 +161,11 @@ def offload_outside_zero23():
 
 
 @case
+def expert_parallel_beside_tensor_parallel():
+    Accelerator(parallelism="ep_size=2,tp_size=2")
+
+
+@case
 def convert_outputs_auto():
     Accelerator(convert_outputs_to_fp32="auto")
 

@@ -9,8 +9,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from ..parallel.checkpointing_modes import normalize_mode
-from ..planning.memory_table import expert_parallel_label
-from ..planning.memory_terms import PRECISIONS, STRATEGIES, format_bytes
+from ..planning.memory_terms import PRECISIONS, STRATEGIES, expert_parallel_label, format_bytes
 
 if TYPE_CHECKING:
     from ..planning.memory import MemoryEstimate

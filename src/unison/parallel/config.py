@@ -242,7 +242,8 @@ class ParallelismConfig:
             # one-rank dp_shard keeps parameters, gradients and optimizer state in host memory, the
             # device holding one unit at a time, as DeepSpeed's ZeRO-Offload does on one GPU.
             return dataclasses.replace(self, zero_stage=zero_stage, **sizes)
-        if (self.ep_size or 1) > 1 and self.dp_shard_size is None and sizes["dp_shard_size"] == 1:
+        alone = all(sizes[name] == 1 for name in ("tp_size", "pp_size", "cp_size"))
+        if (self.ep_size or 1) > 1 and self.dp_shard_size is None and sizes["dp_shard_size"] == 1 and alone:
             # one process (the same script under `python train.py`): every expert is local
             return dataclasses.replace(self, ep_size=None)._fill(world_size)
         if self._nothing_left_to_shard(sizes):
@@ -365,12 +366,6 @@ class ParallelismConfig:
         """ep_size borrows from dp_shard: it must divide it, beside ZeRO-2/3 alone (not yet beside tensor,
         pipeline or context parallelism, nor offload)."""
         ep = self.ep_size
-        if self.dp_shard_size % ep:
-            raise ValueError(
-                f"ep_size={ep} does not divide dp_shard_size={self.dp_shard_size}: the experts are divided "
-                f"over groups of {ep} consecutive dp_shard processes. Choose an ep_size that divides "
-                f"{self.dp_shard_size}, or a dp_shard_size that is a multiple of {ep}."
-            )
         others = [
             f"{name}={getattr(self, name)}"
             for name in ("tp_size", "pp_size", "cp_size")
@@ -387,6 +382,12 @@ class ParallelismConfig:
                 "runs beside ZeRO-2/3 over dp_shard (and dp_replicate) only, not yet with tensor, pipeline "
                 "or context parallelism, offload or ZeRO-1. Use e.g. 'ep_size=2,dp_shard_size=4', or drop "
                 "ep_size."
+            )
+        if self.dp_shard_size % ep:
+            raise ValueError(
+                f"ep_size={ep} does not divide dp_shard_size={self.dp_shard_size}: the experts are divided "
+                f"over groups of {ep} consecutive dp_shard processes. Choose an ep_size that divides "
+                f"{self.dp_shard_size}, or a dp_shard_size that is a multiple of {ep}."
             )
 
     def _check_stage_count(self, stages: int) -> None:

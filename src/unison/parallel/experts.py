@@ -41,7 +41,11 @@ def expert_mesh(ep_size: int, device_type: str) -> DeviceMesh:
     """The (ep_replicate, ep) mesh: consecutive data-parallel ranks form an EP group, the groups side by
     side replicate each other. Collective: every process calls it (it forms process groups)."""
     world = dist.get_world_size()
-    return init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("ep_replicate", "ep"))
+    mesh = init_device_mesh(device_type, (world // ep_size, ep_size), mesh_dim_names=("ep_replicate", "ep"))
+    # the whole mesh as one dimension too: a norm over the experts' gradients (clipping) then reduces in
+    # one all-reduce instead of one per dimension (private, as in mesh.py; tests/test_torch_private_apis.py)
+    mesh._flatten("ep_all")
+    return mesh
 
 
 def apply_expert_parallel(

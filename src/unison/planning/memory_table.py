@@ -127,11 +127,6 @@ def estimate(
     return MemoryEstimate(shape, devices, micro_batch_size, seq_len, tuple(rows), tuple(notes))
 
 
-def expert_parallel_label(strategy: str) -> str | None:
-    """The table's label of an expert-parallel row ("ep8 + ZeRO-3"), None for the other strategies."""
-    return f"{strategy.split('_')[0]} + ZeRO-3" if strategy.startswith("ep") else None
-
-
 def _expert_parallel_row(
     shape: ModelShape, precision, devices: int, ep: int, activations: int | None
 ) -> DeviceMemory:

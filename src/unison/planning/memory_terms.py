@@ -52,3 +52,9 @@ def format_bytes(count: float) -> str:
             return f"{count:.0f} B" if unit == "B" else f"{count:.2f} {unit}"
         count /= 1024
     return f"{count:.2f} TiB"
+
+
+def expert_parallel_label(strategy: str) -> str | None:
+    """The table's label of an expert-parallel row ("ep8_zero3": "ep8 + ZeRO-3"), None for the others
+    (the STRATEGIES above have fixed labels; this row's degree depends on the model and the devices)."""
+    return f"{strategy.split('_')[0]} + ZeRO-3" if strategy.startswith("ep") else None
