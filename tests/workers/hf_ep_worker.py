@@ -29,6 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, init_empty_weights
@@ -36,22 +37,8 @@ from unison import Accelerator, PartialState, init_empty_weights
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 from model import GPT, GPTConfig  # noqa: E402  (the example's MoE block)
 
-STEPS = 3
 BATCH = 8
-ACCUMULATION = 2
-SEQ = 12
-VOCAB = 96
-SEED = 4321
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2 * SEQ,
-    use_cache=False,
-    num_experts_per_tok=2,
-)
+SHAPE = dict(**DECODER, num_experts_per_tok=2)
 FAMILIES = {
     "mixtral": lambda: transformers.MixtralForCausalLM(
         transformers.MixtralConfig(**SHAPE, intermediate_size=48, num_local_experts=4)
@@ -93,14 +80,6 @@ def make(spec: str) -> torch.nn.Module:
     model = FAMILIES[family]()
     model.config.output_router_logits = aux == "aux"
     return model
-
-
-def make_optimizer(model: torch.nn.Module):
-    # SGD with momentum: its update is proportional to the gradient, so the parameters' distance from one
-    # process shows how far the gradients are (AdamW divides tiny gradients by their own size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    return optimizer, scheduler
 
 
 def rows(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -24,26 +24,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
+from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState
 
-STEPS = 3
 BATCH = 4
-ACCUMULATION = 2
-SEQ = 12
-VOCAB = 96
-SEED = 4321
-SHAPE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=96,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=2 * SEQ,
-    use_cache=False,
-)
+SHAPE = dict(**DECODER, intermediate_size=96)
 FAMILIES = {
     "qwen3": lambda: transformers.Qwen3ForCausalLM(transformers.Qwen3Config(**SHAPE, head_dim=16)),
     "phi3": lambda: transformers.Phi3ForCausalLM(transformers.Phi3Config(**SHAPE, pad_token_id=0)),
@@ -54,14 +41,6 @@ FAMILIES = {
 def make(family: str) -> torch.nn.Module:
     torch.manual_seed(SEED)
     return FAMILIES[family]()
-
-
-def make_optimizer(model: torch.nn.Module):
-    # SGD with momentum: its update is proportional to the gradient, so the parameters' distance from one
-    # process shows how far the gradients are (AdamW divides tiny gradients by their own size)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
-    return optimizer, scheduler
 
 
 def make_dataset() -> TensorDataset:
