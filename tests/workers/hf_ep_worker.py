@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer
+from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer, plain_step
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, init_empty_weights
@@ -120,12 +120,7 @@ def reference(spec: str, groups: list[list[list[int]]], extra: bool) -> tuple[di
     losses = []
     for micro_batches in steps:
         loss = sum(loss_of(model, i, t) for i, t in micro_batches) / len(micro_batches)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(plain_step(loss, model, optimizer, scheduler))
     return model.state_dict(), losses
 
 

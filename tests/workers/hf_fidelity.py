@@ -29,3 +29,14 @@ def make_optimizer(model: torch.nn.Module):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5, momentum=0.9)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0 / (1 + step))
     return optimizer, scheduler
+
+
+def plain_step(loss: torch.Tensor, model: torch.nn.Module, optimizer, scheduler) -> float:
+    """One optimizer step of the one-process reference, as the launched loop takes it: backward,
+    clipping to 0.5, the step, the rate; returns the loss."""
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad()
+    return loss.item()

@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer
+from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer, plain_step
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState
@@ -59,13 +59,7 @@ def reference(family: str) -> tuple[dict, list[float]]:
     losses = []
     for step in range(STEPS):
         rows = slice(step * BATCH, (step + 1) * BATCH)
-        loss = loss_of(model, ids[rows], targets[rows])
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad()
-        losses.append(loss.item())
+        losses.append(plain_step(loss_of(model, ids[rows], targets[rows]), model, optimizer, scheduler))
     return model.state_dict(), losses
 
 
