@@ -1,5 +1,5 @@
 """Apply a validated layout to a model, in torchtitan's order: pipeline split, tensor parallel, activation
-checkpointing, compile, data parallel.
+checkpointing, compile, expert parallel (a mixture of experts' experts, `experts.py`), data parallel.
 
 Each strategy is a plain function of its own module (`pipeline`, `tensor`, `zero`, `ddp`); this module
 only decides which run, on which sub-mesh of the one DeviceMesh, and in what order:
