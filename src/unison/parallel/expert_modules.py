@@ -47,11 +47,7 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> list[tuple[str, nn.
             "MoE block have. Drop ep_size, or use such a module (docs/expert-parallel.md)."
         )
     for name, module in found:
-        counts = {
-            param_name: (tuple(p.shape)[0] if p.dim() >= 2 else None)
-            for param_name, p in module.named_parameters(recurse=False)
-        }
-        experts = set(counts.values())
+        experts = {p.shape[0] if p.dim() >= 2 else None for p in module.parameters(recurse=False)}
         if len(experts) != 1 or None in experts:
             shapes = ", ".join(f"{n} {tuple(p.shape)}" for n, p in module.named_parameters(recurse=False))
             raise ValueError(
@@ -63,7 +59,7 @@ def check_expert_parallel(model: nn.Module, ep_size: int) -> list[tuple[str, nn.
         if count % ep_size:
             raise ValueError(
                 f"ep_size={ep_size} does not divide the {count} experts of {name}: each process of an EP "
-                "group holds the same number of experts. Choose an ep_size that divides {count}."
+                f"group holds the same number of experts. Choose an ep_size that divides {count}."
             )
     return found
 

@@ -136,8 +136,9 @@ class ExpertParallelForward:
         counts = torch.bincount(chosen, minlength=experts)
         received_counts = torch.empty_like(counts)
         dist.all_to_all_single(received_counts, counts, group=self.group)  # [source, local expert]
-        send = counts.view(self.ep_size, per_process).sum(1).tolist()
-        receive = received_counts.view(self.ep_size, per_process).sum(1).tolist()
+        # rows to and from each process of the group, read to the host in one sync
+        per_peer = torch.stack((counts, received_counts)).view(2, self.ep_size, per_process).sum(2)
+        send, receive = per_peer.tolist()
         arrived = _AllToAll.apply(hidden_states[token_of], send, receive, self.group)
         local_expert = torch.arange(per_process, device=chosen.device).repeat(self.ep_size)
         local_index = local_expert.repeat_interleave(received_counts)[:, None]

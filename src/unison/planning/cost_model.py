@@ -237,7 +237,6 @@ def step_cost(
             stage_parameters - experts,
             blocks,
             micro_steps,
-            compute,
             backward,
             pp,
             link,
@@ -246,9 +245,8 @@ def step_cost(
             exposed,
         )
     if experts:
-        _expert_parallel(
-            shape, config, batch, micro_steps, compute, link, (tp * cp, shards), communication, exposed
-        )
+        _expert_parallel(shape, config, batch, micro_steps, link, (tp * cp, shards), communication, exposed)
+    _hide_under_compute(communication, exposed, compute)
     if tp > 1:
         activation = batch.micro_batch_size * batch.seq_len // cp * shape.hidden * ACTIVATION_BYTES
         per_layer = 6 if batch.recompute else 4  # 2 forward, 2 backward, 2 more in the recomputed forward
@@ -308,7 +306,6 @@ def _data_parallel(
     parameters: float,
     blocks: int,
     micro_steps: int,
-    compute: float,
     backward: float,
     pp: int,
     link: Any,
@@ -333,25 +330,19 @@ def _data_parallel(
         return
     # FSDP2 (ZeRO-2/3, HSDP): per block and micro-step, gathers in forward (ZeRO-3: in backward too) and a
     # reduce-scatter of its gradients; replicas all-reduce the reduced shard. Prefetch overlaps them with
-    # the compute of the neighbouring blocks, so only what exceeds the compute is exposed.
+    # the compute of the neighbouring blocks: step_cost's _hide_under_compute exposes what exceeds it.
     shard_link = link(inner, shards)
     gathers = 2 if stage == 3 else 1
     gather = micro_steps * blocks * gathers * _all_gather(weights / blocks, shards, shard_link)
     scatter = micro_steps * blocks * _reduce_scatter(gradients / blocks, shards, shard_link)
     communication["zero all-gather"] = gather
     communication["zero reduce-scatter"] = scatter
-    total = gather + scatter
     if replicas > 1:
-        across = (
+        communication["hsdp all-reduce"] = (
             micro_steps
             * blocks
             * _all_reduce(gradients / blocks / shards, replicas, link(inner * shards, replicas))
         )
-        communication["hsdp all-reduce"] = across
-        total += across
-    hidden = min(total, compute)
-    for kind in [k for k in communication if k.startswith(("zero", "hsdp"))]:
-        exposed[kind] = communication[kind] * (1 - hidden / total) if total else 0.0
 
 
 def _expert_parallel(
@@ -359,7 +350,6 @@ def _expert_parallel(
     config: ParallelismConfig,
     batch: Batch,
     micro_steps: int,
-    compute: float,
     link: Any,
     strides: tuple[int, int],
     communication: dict[str, float],
@@ -368,7 +358,7 @@ def _expert_parallel(
     """Expert parallelism's traffic: each MoE layer's two all-to-alls (tokens to their experts and back)
     in forward and again in backward (and in the recomputed forward), on the critical path; and FSDP2's
     gathers and reduce-scatters of each process's experts over the EP groups beside it, hidden under the
-    compute with ZeRO's own (the share of the compute left after ZeRO's traffic)."""
+    compute with ZeRO's own (`_hide_under_compute`)."""
     inner, shards = strides
     ep = config.ep_size
     layers = max(1, shape.expert_layers)
@@ -387,10 +377,19 @@ def _expert_parallel(
     scatter = micro_steps * layers * _reduce_scatter(held * GRADIENT_BYTES / layers, groups, expert_link)
     communication["ep experts all-gather"] = gather
     communication["ep experts reduce-scatter"] = scatter
-    sharded = [k for k in communication if k.startswith(("zero", "hsdp", "ep experts"))]
-    total = sum(communication[k] for k in sharded)
+
+
+PREFETCHED = ("zero", "hsdp", "ep experts")
+"""The kinds of traffic FSDP2 prefetches under the compute of the neighbouring blocks (by name prefix)."""
+
+
+def _hide_under_compute(communication: dict[str, float], exposed: dict[str, float], compute: float) -> None:
+    """What of FSDP2's gathers, reduce-scatters and replica all-reduces exceeds the compute is exposed,
+    shared among them in proportion to their times."""
+    prefetched = [kind for kind in communication if kind.startswith(PREFETCHED)]
+    total = sum(communication[kind] for kind in prefetched)
     hidden = min(total, compute)
-    for kind in sharded:
+    for kind in prefetched:
         exposed[kind] = communication[kind] * (1 - hidden / total) if total else 0.0
 
 

@@ -76,12 +76,12 @@ def layout_memory(
         strategy,
         precision,
         held - experts,
-        math.ceil((held - experts) * trainable / held) if held else 0,
+        -(-(held - experts) * trainable // held) if held else 0,  # ceil, in exact integers
         shard if stage else 1,
     )
     if experts:  # each process's experts/ep, sharded over the EP groups beside it (shard/ep of them)
         expert_state = memory.model_state_bytes(
-            strategy, precision, experts // ep, math.ceil(experts * trainable / held) // ep, shard // ep
+            strategy, precision, experts // ep, -(-experts * trainable // held) // ep, shard // ep
         )
         params, grads, optim = (a + b for a, b in zip((params, grads, optim), expert_state))
     if stage in (2, 3) and shard > 1:
