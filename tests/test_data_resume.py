@@ -10,7 +10,14 @@ import json
 import pytest
 import torch
 from launching import WORKERS, launch_ok
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    IterableDataset,
+    SubsetRandomSampler,
+    WeightedRandomSampler,
+    get_worker_info,
+)
 
 from unison.data import DataLoaderDispatcher, prepare_data_loader, skip_first_batches
 
@@ -83,6 +90,98 @@ def test_restored_loader_yields_exactly_the_remaining_batches_unread(n, shuffle,
         assert indices(fresh) == full[p][1], "the epoch after the resumed one is complete"
 
 
+LOADER_KINDS = ("shuffle", "shuffle+generator", "seedable", "weighted", "weighted+generator", "subset")
+
+
+def loader_of(kind, seed, n=1, p=0, num_workers=0):
+    """A prepared loader of `kind` over 14 samples in batches of 2 (7 per epoch on one process); `seed`
+    seeds the global RNG first and every generator the user builds, as a script's set_seed would."""
+    torch.manual_seed(seed)
+    generator = torch.Generator().manual_seed(seed) if kind.endswith("+generator") else None
+    options = {"batch_size": 2, "num_workers": num_workers}
+    if kind.startswith("weighted"):
+        options["sampler"] = WeightedRandomSampler(torch.linspace(1, 4, 14), 14, generator=generator)
+    elif kind == "subset":
+        options["sampler"] = SubsetRandomSampler(range(1, 13))
+    else:
+        options.update(shuffle=True, generator=generator)
+    return prepare_data_loader(
+        DataLoader(Counting(14), **options),
+        num_processes=n,
+        process_index=p,
+        use_seedable_sampler=kind == "seedable",
+    )
+
+
+def epochs_from(loader, epochs, next_epoch_directly=False):
+    """The user's loop from where `loader` stands to the end of `epochs`: each epoch's batches.
+    next_epoch_directly: Accelerate's example's way, which computes the first epoch from the step count
+    and so never iterates the saved epoch's empty remainder."""
+    first = loader.epoch
+    if next_epoch_directly and loader.state_dict()["end_of_epoch"]:
+        first += 1
+    seen = []
+    for epoch in range(first, epochs):
+        loader.set_epoch(epoch)
+        seen.append(indices(loader))
+    return seen
+
+
+@pytest.mark.parametrize("kind", LOADER_KINDS)
+@pytest.mark.parametrize("n", [1, 2])
+def test_resume_from_every_position_of_every_epoch_draws_the_uninterrupted_order(kind, n):
+    """Saved after every batch of 3 epochs (the last batch of each epoch included), the state and the
+    global RNG loaded into a loader built afresh under another seed: the rest of the run is the
+    uninterrupted run's, batch for batch, whether the saved epoch's empty remainder is iterated or not."""
+    epochs, compared = 3, 0
+    for p in range(n):
+        whole = epochs_from(loader_of(kind, 5, n, p), epochs)
+        assert whole[0] != whole[1] != whole[2], "each epoch draws a new order"
+        for epoch in range(epochs):
+            for k in range(1, len(whole[epoch]) + 1):
+                original = loader_of(kind, 5, n, p)
+                epochs_from(original, epoch)  # the epochs before the saved one
+                iterator = iter(original)
+                for _ in range(k):
+                    next(iterator)
+                state, rng = original.state_dict(), torch.get_rng_state()
+                expected = [whole[epoch][k:]] + whole[epoch + 1 :]
+                for directly in (False, True):
+                    resumed = loader_of(kind, 77, n, p)
+                    resumed.load_state_dict(state)
+                    torch.set_rng_state(rng)  # as load_state restores it
+                    seen = epochs_from(resumed, epochs, next_epoch_directly=directly)
+                    if directly and k == len(whole[epoch]):
+                        seen = [[]] + seen
+                    assert seen == expected, (kind, n, p, epoch, k, directly)
+                    compared += 1
+    assert compared == 2 * n * sum(map(len, whole))
+
+
+def test_a_sampler_of_the_users_own_resumes_with_workers_and_leaves_the_global_rng_as_restored():
+    """Samples and the worker seeds that loaded them, as the uninterrupted run had them."""
+    reference = loader_of("weighted", 3, num_workers=2)
+    whole = [[batch.tolist() for batch in reference] for _ in range(2)]
+    original = loader_of("weighted", 3, num_workers=2)
+    iterator = iter(original)
+    next(iterator), next(iterator)
+    state, rng = original.state_dict(), torch.get_rng_state()
+    resumed = loader_of("weighted", 8, num_workers=2)
+    resumed.load_state_dict(state)
+    torch.set_rng_state(rng)
+    iterator = iter(resumed)
+    first = next(iterator).tolist()
+    assert torch.equal(torch.get_rng_state(), rng), "the replay drew from the restored global RNG"
+    assert [first, *(batch.tolist() for batch in iterator)] == whole[0][2:]
+    assert [batch.tolist() for batch in resumed] == whole[1]
+
+
+def test_a_state_with_other_generators_is_refused_naming_the_counts():
+    state = loader_of("weighted+generator", 1).state_dict()
+    with pytest.raises(ValueError, match="holds 1 generator states, but this loader draws from 0"):
+        loader_of("weighted", 1).load_state_dict(state)
+
+
 @pytest.mark.parametrize("seedable", [False, True])
 def test_state_is_plain_and_loads_with_weights_only(tmp_path, seedable):
     loader = prepared(20, 2, 1, seedable=seedable)
@@ -90,6 +189,7 @@ def test_state_is_plain_and_loads_with_weights_only(tmp_path, seedable):
     next(iterator)
     state = loader.state_dict()
     passed = state.pop("pass_states")
+    assert state.pop("generators") == [] and state.pop("sampler_draws") is None, "no generator of the user's"
     assert all(value is None or type(value) in (int, bool, str) for value in state.values()), state
     assert (passed is None) == seedable
     if passed is not None:
@@ -99,6 +199,23 @@ def test_state_is_plain_and_loads_with_weights_only(tmp_path, seedable):
     assert {key: value for key, value in loaded.items() if key != "pass_states"} == state
     if passed is not None:
         assert all(torch.equal(loaded["pass_states"][key], value) for key, value in passed.items())
+
+    weighted = WeightedRandomSampler(torch.ones(20), 20, generator=torch.Generator().manual_seed(1))
+    users = prepare_data_loader(
+        DataLoader(Counting(20), batch_size=2, sampler=weighted, generator=torch.Generator().manual_seed(2)),
+        num_processes=2,
+        process_index=1,
+        use_seedable_sampler=seedable,
+    )
+    next(iter(users))
+    state = users.state_dict()
+    torch.save(state, tmp_path / "users.pt")
+    loaded = torch.load(tmp_path / "users.pt", weights_only=True)
+    assert len(loaded["generators"]) == 2, "the DataLoader's generator and the sampler's"
+    assert all(torch.equal(a, b) for a, b in zip(loaded["generators"], state["generators"]))
+    (draws,) = loaded["sampler_draws"]
+    assert torch.equal(draws["torch"], state["sampler_draws"][0]["torch"])
+    assert torch.equal(draws["generator"], state["sampler_draws"][0]["generator"])
 
 
 def test_position_counts_yielded_batches_not_the_one_read_ahead():
@@ -121,6 +238,8 @@ def test_position_counts_yielded_batches_not_the_one_read_ahead():
         "pass_states": None,  # the next epoch's pass has not begun: it draws afresh
         "worker_seed": 0,
         "total_batch_size": 4,
+        "sampler_draws": None,
+        "generators": [],
     }
 
 

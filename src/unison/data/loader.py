@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, IterableDataset
 from .. import ops
 from ..state import GradientState, PartialState
 from .randomness import SeedableRandomSampler, check_rng_types, epoch_seed, synchronize_rng_states
+from .replay import ReplayedSampler, own_generator
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler
 from .torch_order import PassDraws, PassStates, TorchOrderRandomSampler
 
@@ -86,7 +87,9 @@ class LoaderProgress:
     batches: batches of `epoch` handed out in the latest pass, counted from the epoch's start (a
     skipped start included); end_of_epoch: that pass handed out its last batch; resume: the next
     pass continues after `batches` instead of starting the epoch afresh (set by load_state_dict);
-    pass_states: where the draws of `epoch`'s pass began (PyTorch's order only; None until it begins).
+    pass_states: where the draws of `epoch`'s pass began (PyTorch's order only; None until it begins);
+    sampler_draws: where the draws of the pass's samplers of the user's own began (see replay), one
+    dict per ReplayedSampler, None until the pass begins.
     """
 
     epoch: int = 0
@@ -94,12 +97,13 @@ class LoaderProgress:
     end_of_epoch: bool = False
     resume: bool = False
     pass_states: PassStates | None = None
+    sampler_draws: list[dict[str, torch.Tensor | None]] | None = None
 
     def move_to(self, epoch: int) -> None:
         """Go to `epoch`; another epoch than the current one starts from its beginning."""
         if epoch != self.epoch:
             self.epoch, self.batches, self.end_of_epoch, self.resume = epoch, 0, False, False
-            self.pass_states = None
+            self.pass_states = self.sampler_draws = None
 
 
 def find_in_chain(root: Any, kind: type) -> Any | None:
@@ -166,6 +170,7 @@ class PreparedDataLoader(DataLoader):
             user_generator.initial_seed() if user_generator is not None else torch.initial_seed()
         )
         self.generator = torch.Generator()
+        self._user_generator = user_generator
         self.use_seedable_sampler = use_seedable_sampler
         self._draws = None
         if not use_seedable_sampler:
@@ -232,6 +237,21 @@ class PreparedDataLoader(DataLoader):
     def _shuffle_sampler(self) -> SeedableRandomSampler | None:
         return find_in_chain(self._index_sampler, SeedableRandomSampler)
 
+    def _replayed_samplers(self) -> list[ReplayedSampler]:
+        return [s for s in _sampler_chain(self._index_sampler) if isinstance(s, ReplayedSampler)]
+
+    def _user_generators(self) -> list[torch.Generator]:
+        """The generators of the user's that this loader's passes draw from and advance: the DataLoader's
+        `generator` and those of its samplers, in a fixed order (a SeedableRandomSampler's is its own)."""
+        chain = _sampler_chain(self._index_sampler)
+        samplers = [s for s in chain if not isinstance(s, SeedableRandomSampler)]
+        found = [self._user_generator, *map(own_generator, samplers)]
+        unique: list[torch.Generator] = []
+        for generator in found:
+            if generator is not None and all(generator is not g for g in unique):
+                unique.append(generator)
+        return unique
+
     def state_dict(self) -> dict[str, int | bool | None]:
         """Where this loader stands, in units that do not depend on the number of processes.
 
@@ -241,7 +261,10 @@ class PreparedDataLoader(DataLoader):
         seed: the shuffle seed (None without shuffling); worker_seed: what seeds the workers when
         nothing shuffles; total_batch_size: this loader's samples_per_step, for error messages.
         order: "seedable" or "torch" (use_seedable_sampler); pass_states (PyTorch's order): the generator
-        states the epoch's pass began from, {"base": ..., "shuffle": ...}, or None before it began.
+        states the epoch's pass began from, {"base": ..., "shuffle": ...}, or None before it began;
+        sampler_draws: the same for samplers of the user's own (replay), or None; generators: the states
+        of the user's generators now (the DataLoader's and its samplers'), which a resumed run restores
+        as it restores the global RNG, so the epoch after the saved one draws what it would have drawn.
         Ints, bools, strings, None and CPU tensors: it loads with torch.load(weights_only=True).
         """
         progress, shuffle = self.progress, self._shuffle_sampler()
@@ -255,6 +278,8 @@ class PreparedDataLoader(DataLoader):
             "pass_states": None if began is None else began.as_dict(),
             "worker_seed": self.worker_seed,
             "total_batch_size": self.samples_per_step,
+            "sampler_draws": progress.sampler_draws,
+            "generators": [generator.get_state() for generator in self._user_generators()],
         }
 
     @property
@@ -293,6 +318,15 @@ class PreparedDataLoader(DataLoader):
                 "the order could not be reproduced. Prepare the same DataLoader (shuffle setting) as the "
                 "saved run, or load the state into the loader it was saved from."
             )
+        saved_generators, generators = state.get("generators"), self._user_generators()
+        if saved_generators is not None and len(saved_generators) != len(generators):
+            raise ValueError(
+                f"the data loader state holds {len(saved_generators)} generator states, but this loader "
+                f"draws from {len(generators)} generators of yours (the DataLoader's `generator` and its "
+                "samplers'): it was saved from a loader built another way. Build the DataLoader as the "
+                "saved run did (the same generator= arguments), or load the state into the loader it was "
+                "saved from."
+            )
         consumed, step = int(state["samples_consumed"]), self.samples_per_step
         if consumed % step and not state["end_of_epoch"]:
             raise ValueError(
@@ -308,7 +342,9 @@ class PreparedDataLoader(DataLoader):
         """Continue where `state` (from state_dict, maybe of another number of processes) stood.
 
         The next pass yields exactly the batches the saved loader had not yet handed out, in the same
-        order, skipping the others in the sampler (iterable data is read through). A state this loader
+        order, skipping the others in the sampler (iterable data is read through). The user's generators
+        are set to their saved states at once: the passes after the resumed one draw from there (also
+        when the saved pass was complete and its empty remainder is never iterated). A state this loader
         cannot continue (see check_state_dict) is a ValueError: nothing is changed then.
         """
         self.check_state_dict(state)
@@ -322,10 +358,20 @@ class PreparedDataLoader(DataLoader):
         self.progress.batches = consumed // step
         self.progress.end_of_epoch = bool(state["end_of_epoch"])
         self.progress.pass_states = None if began is None else PassStates(**began)
+        self.progress.sampler_draws = state.get("sampler_draws")
         self.progress.resume = True
+        for generator, saved in zip(self._user_generators(), state.get("generators") or ()):
+            generator.set_state(saved)
 
-    def _begin_draws(self, resumed: bool) -> None:
-        """Set this pass's generators: PyTorch's draws (see torch_order), or (seed, epoch)'s."""
+    def _begin_draws(self, resumed: bool, finished: bool) -> None:
+        """Set this pass's generators: PyTorch's draws (see torch_order), or (seed, epoch)'s; a resumed
+        pass's samplers of the user's own replay theirs. A resumed pass that was complete draws nothing:
+        the generators are already where the saved run's were after it (load_state_dict)."""
+        if finished:
+            return
+        if resumed:
+            for sampler, states in zip(self._replayed_samplers(), self.progress.sampler_draws or ()):
+                sampler.replay = states
         if self._draws is None:
             shuffle = self._shuffle_sampler()
             seed = self.worker_seed if shuffle is None else shuffle.seed
@@ -362,7 +408,7 @@ class PreparedDataLoader(DataLoader):
         self.set_epoch(self.epoch)
         resumed = self.progress.resume
         skip, finished = self._start_of_pass()
-        self._begin_draws(resumed)
+        self._begin_draws(resumed, finished)
         synchronize_rng_states(self.rng_types, self.generator)
         self.end_of_dataloader = False
         self.remainder = -1
@@ -374,6 +420,8 @@ class PreparedDataLoader(DataLoader):
         try:
             batches = iter(()) if finished else self._batches(skip)
             current = next(batches, _END)
+            if not finished:  # the samplers began their pass at the first batch: where they drew from
+                self.progress.sampler_draws = [s.began for s in self._replayed_samplers()] or None
             while current is not _END:
                 current = self._place(current)
                 upcoming = next(batches, _END)  # read ahead: is `current` the last batch?

@@ -4,7 +4,9 @@ The new loader keeps everything the user chose (dataset, collate_fn, workers, pi
 ...) and changes only who reads what: a sharded batch sampler for map-style data, a shard of the
 stream for iterable data, or process 0 dispatching (the default for iterable data, which cannot be
 split by index). A torch RandomSampler draws each pass's order as plain PyTorch does, from process 0's
-generator states (torch_order), or, with use_seedable_sampler, from (seed, epoch) (randomness).
+generator states (torch_order), or, with use_seedable_sampler, from (seed, epoch) (randomness). A
+sampler of the user's own keeps its order and is wrapped so that a resumed pass replays its draws
+(replay).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
 from .loader import DataLoaderShard, PreparedDataLoader, carried_settings, skipping_loader
 from .randomness import check_rng_types, with_replaced_shuffle, with_seedable_sampler
+from .replay import with_replayed_sampler
 from .sharding import (
     BatchSamplerShard,
     IterableDatasetShard,
@@ -159,8 +162,8 @@ def _batching(
         return with_replaced_shuffle(sampler, torch_order)
 
     if dataloader.batch_sampler is not None:
-        return {"batch_sampler": agreed(dataloader.batch_sampler)}
-    return {"sampler": agreed(dataloader.sampler), "batch_size": None}
+        return {"batch_sampler": with_replayed_sampler(agreed(dataloader.batch_sampler), batches=True)}
+    return {"sampler": with_replayed_sampler(agreed(dataloader.sampler), batches=False), "batch_size": None}
 
 
 def _sharded(

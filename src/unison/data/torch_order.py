@@ -97,7 +97,8 @@ class PassDraws:
 
     def begin(self, draws_base_seed: bool = True, saved: PassStates | None = None) -> PassStates:
         """Set up the pass about to start: afresh (process 0's states, every generator advanced as plain
-        PyTorch would), or from `saved`, the states of a pass a saved run had begun (nothing drawn).
+        PyTorch would), or from `saved`, the states of a pass a saved run had begun (nothing drawn but the
+        permutation again; the loader restored the user's generators to their saved states already).
 
         draws_base_seed: False when the inner DataLoader keeps its persistent workers from an earlier
         pass, which draws no base seed in plain PyTorch either.
@@ -112,14 +113,6 @@ class PassDraws:
         else:  # the user's generator draws the permutation itself, from the agreed state
             source.set_state(states.shuffle)
             self.sampler.pass_generator = source
-        if (
-            saved is not None
-            and self.base_source is not torch.default_generator
-            and self.base_source is not source
-        ):
-            base = _replica(states.base)
-            draw_int64(base)
-            self.base_source.set_state(base.get_state())  # where the saved run left it
         return states
 
     def _fresh_states(self, draws_base_seed: bool) -> PassStates:
