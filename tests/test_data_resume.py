@@ -113,18 +113,25 @@ def loader_of(kind, seed, n=1, p=0, num_workers=0):
     )
 
 
-def epochs_from(loader, epochs, next_epoch_directly=False):
-    """The user's loop from where `loader` stands to the end of `epochs`: each epoch's batches.
-    next_epoch_directly: Accelerate's example's way, which computes the first epoch from the step count
-    and so never iterates the saved epoch's empty remainder."""
-    first = loader.epoch
-    if next_epoch_directly and loader.state_dict()["end_of_epoch"]:
-        first += 1
+def epochs_from(loader, epochs, start=None):
+    """The documented loop from where `loader` stands to the end of `epochs` (or, with `start`, a loop
+    that counts epochs itself and calls set_epoch from there): each epoch's batches."""
     seen = []
-    for epoch in range(first, epochs):
+    for epoch in range(loader.epoch if start is None else start, epochs):
         loader.set_epoch(epoch)
         seen.append(indices(loader))
     return seen
+
+
+def accelerate_style(loader, epochs, batches_done):
+    """Accelerate's examples/by_feature/checkpointing.py: the first epoch and the batches to skip in it
+    computed from the batches done, `skip_first_batches` in that epoch, no set_epoch anywhere."""
+    first, skip = divmod(batches_done, len(loader))
+    seen = []
+    for epoch in range(first, epochs):
+        active = skip_first_batches(loader, skip) if epoch == first else loader
+        seen.append(indices(active))
+    return first, seen
 
 
 @pytest.mark.parametrize("kind", LOADER_KINDS)
@@ -132,30 +139,38 @@ def epochs_from(loader, epochs, next_epoch_directly=False):
 def test_resume_from_every_position_of_every_epoch_draws_the_uninterrupted_order(kind, n):
     """Saved after every batch of 3 epochs (the last batch of each epoch included), the state and the
     global RNG loaded into a loader built afresh under another seed: the rest of the run is the
-    uninterrupted run's, batch for batch, whether the saved epoch's empty remainder is iterated or not."""
+    uninterrupted run's, batch for batch, in the three loops users write: the documented one
+    (range(loader.epoch, ...) with set_epoch), one that counts epochs itself from the saved epoch, and
+    Accelerate's (the position computed from the batches done, skip_first_batches, no set_epoch)."""
     epochs, compared = 3, 0
     for p in range(n):
         whole = epochs_from(loader_of(kind, 5, n, p), epochs)
         assert whole[0] != whole[1] != whole[2], "each epoch draws a new order"
+        length = len(whole[0])
         for epoch in range(epochs):
-            for k in range(1, len(whole[epoch]) + 1):
+            for k in range(1, length + 1):
                 original = loader_of(kind, 5, n, p)
                 epochs_from(original, epoch)  # the epochs before the saved one
                 iterator = iter(original)
                 for _ in range(k):
                     next(iterator)
                 state, rng = original.state_dict(), torch.get_rng_state()
-                expected = [whole[epoch][k:]] + whole[epoch + 1 :]
-                for directly in (False, True):
+                for loop in ("documented", "own count", "accelerate"):
                     resumed = loader_of(kind, 77, n, p)
                     resumed.load_state_dict(state)
                     torch.set_rng_state(rng)  # as load_state restores it
-                    seen = epochs_from(resumed, epochs, next_epoch_directly=directly)
-                    if directly and k == len(whole[epoch]):
-                        seen = [[]] + seen
-                    assert seen == expected, (kind, n, p, epoch, k, directly)
+                    if loop == "accelerate":
+                        first, seen = accelerate_style(resumed, epochs, epoch * length + k)
+                        expected = [epoch_batches[k % length :] for epoch_batches in whole[first : first + 1]]
+                        expected += whole[first + 1 :]
+                    else:
+                        seen = epochs_from(resumed, epochs, start=epoch if loop == "own count" else None)
+                        expected = [whole[epoch][k:]] + whole[epoch + 1 :]
+                        if loop == "documented" and k == length:  # the loader stands at the next epoch
+                            expected = expected[1:]
+                    assert seen == expected, (kind, n, p, epoch, k, loop)
                     compared += 1
-    assert compared == 2 * n * sum(map(len, whole))
+    assert compared == 3 * n * epochs * length
 
 
 def test_a_sampler_of_the_users_own_resumes_with_workers_and_leaves_the_global_rng_as_restored():
@@ -253,13 +268,18 @@ def test_saved_on_the_last_batch_resumes_at_the_next_epoch_on_any_split():
     assert state["epoch"] == 0 and state["end_of_epoch"] and state["samples_consumed"] == 12
     fresh = prepared(12, 2, 0, data_seed=9)
     fresh.load_state_dict(state)
-    assert indices(fresh) == [] and fresh.epoch == 1, "epoch 0 was complete"
+    assert fresh.epoch == 1 and fresh.state_dict()["samples_consumed"] == 0, "epoch 0 was complete"
     assert indices(fresh) == epoch1
     assert epoch0 != epoch1
+    again = prepared(12, 2, 0, data_seed=9)
+    again.load_state_dict(state)
+    again.set_epoch(0)
+    assert indices(again) == [] and again.epoch == 1, "epoch 0 named again: its empty remainder"
+    assert indices(again) == epoch1
     four = [prepared(12, 4, p, data_seed=9) for p in range(4)]
     for loader in four:
         loader.load_state_dict(state)
-        assert list(loader) == [] and loader.epoch == 1
+        assert loader.epoch == 1
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])

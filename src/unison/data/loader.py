@@ -89,7 +89,9 @@ class LoaderProgress:
     pass continues after `batches` instead of starting the epoch afresh (set by load_state_dict);
     pass_states: where the draws of `epoch`'s pass began (PyTorch's order only; None until it begins);
     sampler_draws: where the draws of the pass's samplers of the user's own began (see replay), one
-    dict per ReplayedSampler, None until the pass begins.
+    dict per ReplayedSampler, None until the pass begins. completed_epoch: an epoch that a loaded state
+    had handed out completely (saved on its last batch); the loader stands at the next epoch's start,
+    as the uninterrupted run did, and a set_epoch back to it gives that epoch's empty remainder.
     """
 
     epoch: int = 0
@@ -98,11 +100,14 @@ class LoaderProgress:
     resume: bool = False
     pass_states: PassStates | None = None
     sampler_draws: list[dict[str, torch.Tensor | None]] | None = None
+    completed_epoch: int | None = None
 
     def move_to(self, epoch: int) -> None:
-        """Go to `epoch`; another epoch than the current one starts from its beginning."""
+        """Go to `epoch`; another epoch than the current one starts from its beginning (a loaded,
+        completed one has nothing left)."""
         if epoch != self.epoch:
-            self.epoch, self.batches, self.end_of_epoch, self.resume = epoch, 0, False, False
+            completed = epoch == self.completed_epoch
+            self.epoch, self.batches, self.end_of_epoch, self.resume = epoch, 0, completed, completed
             self.pass_states = self.sampler_draws = None
 
 
@@ -342,10 +347,13 @@ class PreparedDataLoader(DataLoader):
         """Continue where `state` (from state_dict, maybe of another number of processes) stood.
 
         The next pass yields exactly the batches the saved loader had not yet handed out, in the same
-        order, skipping the others in the sampler (iterable data is read through). The user's generators
-        are set to their saved states at once: the passes after the resumed one draw from there (also
-        when the saved pass was complete and its empty remainder is never iterated). A state this loader
-        cannot continue (see check_state_dict) is a ValueError: nothing is changed then.
+        order, skipping the others in the sampler (iterable data is read through). A state saved on an
+        epoch's last batch leaves the loader at the next epoch's start (`epoch` is the next one), where
+        the uninterrupted run stood once its loop moved on: a loop that counts epochs itself and calls
+        set_epoch with the saved one gets that epoch's empty remainder, a loop that just iterates gets
+        the next epoch. The user's generators are set to their saved states at once, as the global RNG
+        is: the passes after the resumed one draw from there. A state this loader cannot continue (see
+        check_state_dict) is a ValueError: nothing is changed then.
         """
         self.check_state_dict(state)
         shuffle, seed = self._shuffle_sampler(), state["seed"]
@@ -354,12 +362,14 @@ class PreparedDataLoader(DataLoader):
         if shuffle is not None:
             shuffle.seed = int(seed)
         self.worker_seed = int(state["worker_seed"])
-        self.progress.move_to(int(state["epoch"]))
-        self.progress.batches = consumed // step
-        self.progress.end_of_epoch = bool(state["end_of_epoch"])
-        self.progress.pass_states = None if began is None else PassStates(**began)
-        self.progress.sampler_draws = state.get("sampler_draws")
-        self.progress.resume = True
+        progress = self.progress
+        progress.epoch, progress.batches, progress.resume = int(state["epoch"]), consumed // step, True
+        progress.pass_states = None if began is None else PassStates(**began)
+        progress.sampler_draws = state.get("sampler_draws")
+        progress.end_of_epoch, progress.completed_epoch = False, None
+        if state["end_of_epoch"]:  # saved on the epoch's last batch: the next epoch is where the run stood
+            progress.move_to(progress.epoch + 1)
+            progress.completed_epoch = progress.epoch - 1
         for generator, saved in zip(self._user_generators(), state.get("generators") or ()):
             generator.set_state(saved)
 
@@ -398,6 +408,8 @@ class PreparedDataLoader(DataLoader):
         """(batches to skip, whether the epoch was already handed out completely) for the pass starting."""
         progress, skip = self.progress, self.skip_batches
         self.skip_batches = 0
+        if progress.epoch != progress.completed_epoch:
+            progress.completed_epoch = None  # the run has gone past the loaded epoch
         if progress.resume:
             progress.resume = False
             return progress.batches, progress.end_of_epoch
