@@ -78,6 +78,41 @@ def test_gather_for_metrics_returns_exactly_the_dataset(results):
         ]
 
 
+def test_gather_for_metrics_after_the_loop_returns_each_sample_once(results):
+    """Each process concatenates its results and gathers once after the loop: the repeats that topped
+    up the final round (at the end of each process's rows) are dropped, whoever dealt the data."""
+    dataset = list(range(13))
+    for rank_result in results:
+        n, after = rank_result["num_processes"], rank_result["gather_after_the_loop"]
+        for name in ("shard", "split", "dispatched", "iterable_shard"):
+            assert after[name]["rows_here"] == -(-13 // (2 * n)) * 2, name  # repeats included
+            assert after[name]["after"] == dataset, name
+            assert after[name]["per_batch"] == dataset, name  # per batch: unchanged, in order
+        shapes = after["shapes"]
+        assert shapes["structure"] == {"pred": dataset, "label": [i + 100 for i in dataset]}
+        assert shapes["objects"] == dataset
+        assert shapes["scalar"] == n  # a length that fits no pass is gathered whole
+        assert shapes["one_row_short"] == n * (after["shard"]["rows_here"] - 1)
+        assert after["nested"] == dataset
+        assert after["one_after_the_other"] == [dataset, list(range(16))]
+
+
+def test_gather_for_metrics_after_two_loops_of_one_length_keeps_all_rows_and_warns_once(results):
+    """The 13's and the 16's passes held as many rows per process, with other repeats: gathered after
+    both loops, the results cannot be told apart, so every row comes back (as in Accelerate) with one
+    warning on the main process that names the numbers and the fix."""
+    for rank_result in results:
+        n, after = rank_result["num_processes"], rank_result["gather_after_the_loop"]
+        rows = after["both_loops_first"]["rows_here"]
+        assert after["both_loops_first"]["first"] == n * rows
+        if rank_result["rank"] != 0:
+            assert after["warnings"] == []
+            continue
+        (warning,) = after["warnings"]
+        assert f"got {rows} rows per process" in warning and f"all {n * rows} gathered rows" in warning
+        assert "on each batch inside the evaluation loop" in warning, warning
+
+
 def test_get_state_dict_unwrap_false_keeps_the_wrappers_keys(results):
     keys = results[0]["state_dict_keys"]  # the main process receives the consolidated dict
     assert keys["unwrapped"] and not any(key.startswith("module.") for key in keys["unwrapped"])

@@ -10,12 +10,17 @@ the Accelerator.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
 
 from . import ops
+from .data.top_ups import rows_to_keep
 from .parallel.mesh import data_parallel_representatives
+from .state import PartialState
+
+logger = logging.getLogger("unison")
 
 
 class CollectiveMethods:
@@ -38,8 +43,11 @@ class CollectiveMethods:
     def gather_for_metrics(self, input_data: Any, use_gather_object: bool = False) -> Any:
         """Gather across processes, dropping the samples duplicated to even out the final batch.
 
-        Over a prepared evaluation loader the concatenated results hold exactly len(dataset) rows, in
-        every layout: tensor-parallel and pipeline peers, which read the same batches, count once.
+        Called on each batch of a prepared evaluation loader, the concatenated results hold exactly
+        len(dataset) rows, in every layout: tensor-parallel and pipeline peers, which read the same
+        batches, count once. Called once after the loop on everything a process collected (as many rows
+        as the loader's complete pass gave it), it drops each process's repeats too; where that length
+        is ambiguous it keeps every row, as Accelerate does, and warns once (see data.top_ups).
         """
         representatives = data_parallel_representatives(self.device_mesh)
         as_objects = use_gather_object or not _all_leaves_are_tensors(input_data)
@@ -54,11 +62,37 @@ class CollectiveMethods:
         else:
             data = self.gather(input_data)
         remainder = self.gradient_state.remainder
-        if not self.gradient_state.end_of_dataloader or remainder < 0:
+        if self.gradient_state.end_of_dataloader and remainder >= 0:  # a loader's last batch
+            if as_objects:  # one list of every process's items: the padding is at its end
+                return data[:remainder]
+            return ops.slice_tensors(data, slice(0, remainder))  # each tensor's rows, in any structure
+        return self._without_repeats_of_a_completed_pass(input_data, data, as_objects)
+
+    def _without_repeats_of_a_completed_pass(self, input_data: Any, data: Any, as_objects: bool) -> Any:
+        """`data` (gathered) less the repeats of the prepared loader's complete pass whose results
+        `input_data` holds, judged by its rows (see data.top_ups); all of it where that is unclear."""
+        state = self.gradient_state
+        if not state.completed_passes:
             return data
-        if as_objects:  # one list of every process's items: the padding is at its end
-            return data[:remainder]
-        return ops.slice_tensors(data, slice(0, remainder))  # each tensor's rows, in any structure
+        if as_objects:
+            if not isinstance(input_data, list) or not isinstance(data, list):
+                return data
+            rows, gathered = len(input_data), len(data)
+        else:
+            leading = {tensor.shape[0] if tensor.ndim else None for tensor in _tensor_leaves(input_data)}
+            rows = leading.pop() if len(leading) == 1 else None
+            gathered = next(iter(_tensor_leaves(data))).shape[0] if rows else 0
+        running = [getattr(loader, "batch_size", None) for loader in state.active_dataloaders]
+        verdict = rows_to_keep(state.completed_passes.values(), rows, gathered, running)
+        if verdict.warning is not None and not getattr(self, "_warned_of_repeats", False):
+            self._warned_of_repeats = True
+            if PartialState().is_main_process:  # every process decides alike
+                logger.warning(verdict.warning)
+        if verdict.keep is None:
+            return data
+        if as_objects:
+            return [item for part in verdict.keep for item in data[part]]
+        return ops.recursively_apply(lambda tensor: torch.cat([tensor[part] for part in verdict.keep]), data)
 
     def gather_object(self, obj: Any) -> list[Any]:
         return ops.gather_object(obj)
@@ -114,6 +148,12 @@ def _reduce_rows(rows: torch.Tensor, reduction: str, scale: float) -> torch.Tens
         return work.sum(0) / work.shape[0]
     result = work.amax(0) if reduction == "max" else work.amin(0)
     return result.bool() if rows.dtype == torch.bool else result
+
+
+def _tensor_leaves(data: Any) -> list[torch.Tensor]:
+    leaves: list[torch.Tensor] = []
+    ops.recursively_apply(lambda tensor: leaves.append(tensor) or tensor, data)
+    return leaves
 
 
 def _all_leaves_are_tensors(data: Any) -> bool:

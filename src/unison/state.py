@@ -485,7 +485,9 @@ class GradientState:
 
     Shared by the Accelerator (which decides when to sync) and the prepared data loaders (which know
     when they yield their last batch, so the last micro-step of an epoch always synchronises and
-    gather_for_metrics can drop the duplicated samples of the final round).
+    gather_for_metrics can drop the duplicated samples of the final round). completed_passes: what each
+    prepared loader's latest complete pass dealt the processes (data.top_ups), for gather_for_metrics
+    called after the loop.
     """
 
     _shared_state: dict[str, Any] = {}
@@ -496,6 +498,7 @@ class GradientState:
             self.num_steps = 1
             self.sync_gradients = True
             self.active_dataloaders: list[Any] = []
+            self.completed_passes: dict[int, Any] = {}
         if gradient_accumulation_steps is not None:
             self.num_steps = gradient_accumulation_steps
 

@@ -5,20 +5,23 @@ settings and compares its parameters with two plain-torch references it computes
 process with the global batch, and one process with the same samples fed as accumulated micro-batches.
 It also records whether gradients differ across ranks inside an accumulation window (no_sync) and
 agree at its end, how often the scheduler stepped, which micro-steps synchronised at the end of a
-loader, and the errors that bad input raises. Results go to OUT_DIR/rank<r>.json for the test to judge.
+loader, what gather_for_metrics returns per batch and once after the loop, and the errors that bad
+input raises. Results go to OUT_DIR/rank<r>.json for the test to judge.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import sys
 from pathlib import Path
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, IterableDataset, TensorDataset
 
 from unison import Accelerator, DistributedDataParallelKwargs
+from unison.data import prepare_data_loader
 from unison.ops import gather
 
 STEPS = 5
@@ -183,6 +186,80 @@ def gather_for_metrics_rows() -> dict:
     }
 
 
+class Stream(IterableDataset):
+    """Rows 0..size-1 as a stream with a length (dispatched by process 0, or read in shards)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __iter__(self):
+        return (torch.tensor([float(i)]) for i in range(self.size))
+
+    def __len__(self) -> int:
+        return self.size
+
+
+def gather_after_the_loop() -> dict:
+    """gather_for_metrics once after the loop on each process's concatenated results, whose last rows
+    repeat the epoch's start (13 rows, batches of 2): the single-process truth is the dataset itself.
+    Every way of dealing the data, per-batch calls in the same loop, lengths that fit no pass, a loop
+    nested in another, and two loaders whose passes held as many rows per process (one warning)."""
+    accelerator = Accelerator(cpu=True)
+    n = accelerator.num_processes
+    warnings: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("unison").addHandler(handler)
+    gather_rows = accelerator.gather_for_metrics
+
+    def evaluate(loader) -> tuple[torch.Tensor, list[int]]:
+        """This process's rows concatenated; the per-batch gather_for_metrics rows, in order."""
+        local, per_batch = [], []
+        for batch in loader:
+            rows = batch[0] if isinstance(batch, list) else batch
+            local.append(rows)
+            per_batch += gather_rows(rows)[:, 0].int().tolist()
+        return torch.cat(local), per_batch
+
+    def ints(rows: torch.Tensor) -> list[int]:
+        return sorted(rows[:, 0].int().tolist())
+
+    thirteen = TensorDataset(torch.arange(13.0)[:, None])
+    loaders = {
+        "shard": accelerator.prepare(DataLoader(thirteen, batch_size=2)),
+        "split": prepare_data_loader(DataLoader(thirteen, batch_size=2 * n), split_batches=True),
+        "dispatched": prepare_data_loader(DataLoader(Stream(13), batch_size=2)),
+        "iterable_shard": prepare_data_loader(DataLoader(Stream(13), batch_size=2), dispatch_batches=False),
+    }
+    result: dict = {}
+    for name, loader in loaders.items():
+        local, per_batch = evaluate(loader)
+        result[name] = {"rows_here": len(local), "after": ints(gather_rows(local)), "per_batch": per_batch}
+    local, _ = evaluate(loaders["shard"])
+    result["shapes"] = {  # a structure, a list of objects, then lengths that fit no pass: gathered whole
+        "structure": {k: ints(v) for k, v in gather_rows({"pred": local, "label": local + 100}).items()},
+        "objects": sorted(gather_rows(local[:, 0].int().tolist())),
+        "scalar": gather_rows(local.sum()).shape[0],
+        "one_row_short": gather_rows(local[:-1]).shape[0],
+    }
+    outer = accelerator.prepare(DataLoader(TensorDataset(torch.zeros(4 * n, 1)), batch_size=2))
+    for step, _ in enumerate(outer):  # evaluation inside a training loop that goes on
+        if step == 0:
+            local, _ = evaluate(loaders["shard"])
+            result["nested"] = ints(gather_rows(local))
+    sixteen = accelerator.prepare(DataLoader(TensorDataset(torch.arange(16.0)[:, None]), batch_size=2))
+    first, _ = evaluate(loaders["shard"])
+    result["one_after_the_other"] = [ints(gather_rows(first))]
+    second, _ = evaluate(sixteen)  # as many rows per process as the 13's pass, other repeats
+    result["one_after_the_other"].append(ints(gather_rows(second)))
+    first, _ = evaluate(loaders["shard"])
+    second, _ = evaluate(sixteen)
+    result["both_loops_first"] = {"first": gather_rows(first).shape[0], "rows_here": len(first)}
+    logging.getLogger("unison").removeHandler(handler)
+    result["warnings"] = warnings
+    return result
+
+
 def error_of(function) -> str | None:
     try:
         function()
@@ -241,6 +318,7 @@ def main() -> None:
         "runs": runs,
         "end_of_loader_sync": sync_pattern_at_end_of_loader(),
         "gather_for_metrics": gather_for_metrics_rows(),
+        "gather_after_the_loop": gather_after_the_loop(),
         "short_final_window": short_final_window(),
         "state_dict_keys": state_dict_keys(),
         "errors": bad_inputs(),

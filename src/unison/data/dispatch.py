@@ -232,3 +232,9 @@ class DataLoaderDispatcher(PreparedDataLoader):
 
     def _final_remainder(self) -> int:
         return self._last_real_samples
+
+    def _even_deal(self) -> tuple[int, int] | None:
+        batch_size = self._process_batch_size()
+        if batch_size is None or not (self.even_batches or self._drop_last):
+            return None
+        return self.num_processes, batch_size

@@ -37,6 +37,7 @@ from ..state import GradientState, PartialState
 from .randomness import SeedableRandomSampler, check_rng_types, epoch_seed, synchronize_rng_states
 from .replay import ReplayedSampler, own_generator
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard, SkipBatchSampler
+from .top_ups import completed_pass, note_pass
 from .torch_order import PassDraws, PassStates, TorchOrderRandomSampler
 
 logger = logging.getLogger("unison")
@@ -135,7 +136,8 @@ class PreparedDataLoader(DataLoader):
     """What DataLoaderShard and DataLoaderDispatcher share: look-ahead, epochs, position, device placement.
 
     Subclasses provide `_batches(skip)`, this process's batches on the host from the `skip`-th on,
-    `_final_remainder()`, read once the last batch is known, `_epoch_length()` and `samples_per_step`.
+    `_final_remainder()`, read once the last batch is known, `_epoch_length()`, `samples_per_step` and
+    `_even_deal()`. A complete pass notes what it dealt the processes in GradientState (see top_ups).
     """
 
     def __init__(
@@ -399,6 +401,18 @@ class PreparedDataLoader(DataLoader):
     def _final_remainder(self) -> int:
         raise NotImplementedError
 
+    def _even_deal(self) -> tuple[int, int] | None:
+        """(processes, rows per batch) where every process gets as many batches of that many rows in a
+        pass (even_batches or drop_last, a known batch size); None otherwise."""
+        raise NotImplementedError
+
+    def _note_completed_pass(self, batches: int) -> None:
+        """What this complete pass of `batches` batches dealt each process, for gather_for_metrics after
+        the loop (see top_ups); a pass dealt unevenly or of unknown sizes is not noted."""
+        deal = self._even_deal()
+        record = None if deal is None else completed_pass(batches, *deal, self.remainder)
+        note_pass(self.gradient_state.completed_passes, self, record)
+
     def _place(self, batch: Any) -> Any:
         if self.device is None:
             return batch
@@ -429,6 +443,7 @@ class PreparedDataLoader(DataLoader):
                 logger.warning(self.unjoined_warning)
             self.unjoined_warning = None
         self.gradient_state._add_dataloader(self)
+        note_pass(self.gradient_state.completed_passes, self, None)  # its last pass is no longer the latest
         try:
             batches = iter(()) if finished else self._batches(skip)
             current = next(batches, _END)
@@ -444,6 +459,7 @@ class PreparedDataLoader(DataLoader):
                 self.progress.end_of_epoch = self.end_of_dataloader
                 yield current
                 current = upcoming
+            self._note_completed_pass(self.progress.batches - skip)
             self.epoch += 1
         finally:
             self.gradient_state._remove_dataloader(self)
@@ -532,6 +548,16 @@ class DataLoaderShard(PreparedDataLoader):
         if skip and not isinstance(self.dataset, IterableDataset):
             return iter(skipping_loader(self, skip))
         return itertools.islice(DataLoader.__iter__(self), skip, None)  # a stream is read through
+
+    def _even_deal(self) -> tuple[int, int] | None:
+        if isinstance(self.dataset, IterableDatasetShard):  # every round topped up, or dropped
+            if not self._auto_collation:
+                return None
+            return self.dataset.num_processes, self.dataset.process_batch_size
+        shard = self._shard()
+        if shard is None or shard.process_batch_size is None or not (shard.even_batches or shard.drop_last):
+            return None
+        return shard.num_processes, shard.process_batch_size
 
     def _final_remainder(self) -> int:
         if isinstance(self.dataset, IterableDatasetShard):
