@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, IterableDataset
 
 from .. import ops
 from ..state import PartialState
-from .loader import LoaderProgress, PreparedDataLoader, carried_settings
+from .loader import LoaderProgress, PreparedDataLoader, carried_settings, reads_through
 from .sharding import SkipBatchSampler, check_split, iter_rounds, rounds_for_process
 
 
@@ -170,9 +170,10 @@ class DataLoaderDispatcher(PreparedDataLoader):
         from the `skip`-th step on.
 
         Map-style data skips in the sampler, unread, except the first step's samples where the final
-        step may be topped up with them (even_batches); a stream is read through.
+        step may be topped up with them (even_batches); a stream, or data read by worker processes, is
+        read through (see `reads_through`).
         """
-        if isinstance(self.dataset, IterableDataset) or not skip:
+        if reads_through(self) or not skip:
             return self._collated_rounds(self._reader(), skip)
         per_round = 1 if self.split_batches else self.num_processes
         keep = int(self.even_batches and self.num_processes > 1 and not self._drop_last)

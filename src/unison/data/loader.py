@@ -349,13 +349,14 @@ class PreparedDataLoader(DataLoader):
         """Continue where `state` (from state_dict, maybe of another number of processes) stood.
 
         The next pass yields exactly the batches the saved loader had not yet handed out, in the same
-        order, skipping the others in the sampler (iterable data is read through). A state saved on an
-        epoch's last batch leaves the loader at the next epoch's start (`epoch` is the next one), where
-        the uninterrupted run stood once its loop moved on: a loop that counts epochs itself and calls
-        set_epoch with the saved one gets that epoch's empty remainder, a loop that just iterates gets
-        the next epoch. The user's generators are set to their saved states at once, as the global RNG
-        is: the passes after the resumed one draw from there. A state this loader cannot continue (see
-        check_state_dict) is a ValueError: nothing is changed then.
+        order, skipping the others in the sampler (a stream, or data read by worker processes, is read
+        through: see reads_through). A state saved on an epoch's last batch leaves the loader at the
+        next epoch's start (`epoch` is the next one), where the uninterrupted run stood once its loop
+        moved on: a loop that counts epochs itself and calls set_epoch with the saved one gets that
+        epoch's empty remainder, a loop that just iterates gets the next epoch. The user's generators are
+        set to their saved states at once, as the global RNG is: the passes after the resumed one draw
+        from there. A state this loader cannot continue (see check_state_dict) is a ValueError: nothing is
+        changed then.
         """
         self.check_state_dict(state)
         shuffle, seed = self._shuffle_sampler(), state["seed"]
@@ -465,6 +466,15 @@ class PreparedDataLoader(DataLoader):
             self.gradient_state._remove_dataloader(self)
 
 
+def reads_through(loader: DataLoader) -> bool:
+    """Whether a resumed pass must read the batches it skips rather than skip them in the sampler: a
+    stream cannot be skipped unread, and worker processes draw from random streams of their own (an
+    augmentation in __getitem__), which the skipped batches advance. Read through, every worker reads
+    what it read in the saved run, in the same order, so the batches after the skipped ones are the
+    saved run's to the last random bit; the price is loading the skipped batches."""
+    return isinstance(loader.dataset, IterableDataset) or loader.num_workers > 0
+
+
 def skipping_loader(loader: DataLoader, skip: int) -> DataLoader:
     """A plain DataLoader over `loader`'s map-style data and settings whose pass skips `skip` batches in
     the sampler: the skipped batches are never loaded."""
@@ -545,9 +555,9 @@ class DataLoaderShard(PreparedDataLoader):
         return DataLoader.__len__(self)
 
     def _batches(self, skip: int) -> Iterator[Any]:
-        if skip and not isinstance(self.dataset, IterableDataset):
+        if skip and not reads_through(self):
             return iter(skipping_loader(self, skip))
-        return itertools.islice(DataLoader.__iter__(self), skip, None)  # a stream is read through
+        return itertools.islice(DataLoader.__iter__(self), skip, None)
 
     def _even_deal(self) -> tuple[int, int] | None:
         if isinstance(self.dataset, IterableDatasetShard):  # every round topped up, or dropped

@@ -101,7 +101,7 @@ def prepare_data_loader(
     }
     dataset = dataloader.dataset
     seeded_at_prepare = shuffle_seeded_at_prepare and num_processes > 1 and not dispatch_batches
-    batching = _batching(dataloader, seedable, data_seed, seeded_at_prepare)
+    batching = _batching(dataloader, seedable, data_seed, seeded_at_prepare, dispatch_batches)
 
     if dispatch_batches:
         if (num_processes, process_index) != (state.num_processes, state.process_index):
@@ -143,9 +143,10 @@ def prepare_data_loader(
 
 
 def _batching(
-    dataloader: DataLoader, seedable: bool, data_seed: int | None, seeded_at_prepare: bool
+    dataloader: DataLoader, seedable: bool, data_seed: int | None, seeded_at_prepare: bool, dispatched: bool
 ) -> dict[str, Any]:
-    """The loader's index sampling as DataLoader arguments, its shuffle one that processes agree on."""
+    """The loader's index sampling as DataLoader arguments, its shuffle one that processes agree on
+    (under dispatch_batches only process 0 draws a sampler of the user's own: no agreement)."""
     if isinstance(dataloader.dataset, IterableDataset):
         return {"batch_size": dataloader.batch_size, "drop_last": dataloader.drop_last}
 
@@ -162,8 +163,10 @@ def _batching(
         return with_replaced_shuffle(sampler, torch_order)
 
     if dataloader.batch_sampler is not None:
-        return {"batch_sampler": with_replayed_sampler(agreed(dataloader.batch_sampler), batches=True)}
-    return {"sampler": with_replayed_sampler(agreed(dataloader.sampler), batches=False), "batch_size": None}
+        batch_sampler = agreed(dataloader.batch_sampler)
+        return {"batch_sampler": with_replayed_sampler(batch_sampler, batches=True, agree=not dispatched)}
+    sampler = with_replayed_sampler(agreed(dataloader.sampler), batches=False, agree=not dispatched)
+    return {"sampler": sampler, "batch_size": None}
 
 
 def _sharded(

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sized
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch.utils.data import RandomSampler
@@ -120,7 +121,7 @@ class PassDraws:
         shuffle_source = self._shuffle_source
         if shuffle_source is not None and all(shuffle_source is not s for s in sources):
             sources.append(shuffle_source)
-        agreed = _process_0_states([source.get_state() for source in sources])
+        agreed = process_0_states([source.get_state() for source in sources])
         replicas = [_replica(state) for state in agreed]
 
         def replica_of(source: torch.Generator) -> torch.Generator:
@@ -144,7 +145,7 @@ class PassDraws:
         return PassStates(base_state, shuffle_state)
 
 
-def _process_0_states(states: list[torch.Tensor]) -> list[torch.Tensor]:
+def process_0_states(states: list[Any]) -> list[Any]:
     """Process 0's generator states, on every process (a few KB, once per pass)."""
     if PartialState().num_processes == 1:
         return states
