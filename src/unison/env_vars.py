@@ -23,6 +23,7 @@ flag need none.
 | UNISON_NUMERICS                      | numerics                      | unison, accelerate |
 | UNISON_DEBUG                         | (none: `unison launch --debug`) | 1/true or 0/false |
 | UNISON_PEAK_FLOPS                    | (none: throughput.peak_flops) | FLOP/s > 0, e.g. 1e12 |
+| UNISON_CHECKPOINT_GRACE              | (none: checkpoint/stop_signals.py) | seconds >= 0 |
 """
 
 from __future__ import annotations
@@ -44,6 +45,8 @@ DYNAMO_MODE = "UNISON_DYNAMO_MODE"
 PEAK_FLOPS = "UNISON_PEAK_FLOPS"  # one device's peak FLOP/s for MFU where the table has none (throughput.py)
 LAUNCHER_PID = "UNISON_LAUNCHER_PID"  # the process whose elastic agent starts the workers (their parent)
 CONFIG_SOURCES = "UNISON_CONFIG_SOURCES"  # JSON {setting: [value, origin]}, for `unison env` (launch_config)
+CHECKPOINT_GRACE = "UNISON_CHECKPOINT_GRACE"  # seconds a stopped process finishes its save in flight
+INTERRUPTED_SAVE_NOTES = "UNISON_INTERRUPTED_SAVE_NOTES"  # folder: what a stop did to it (launch's line)
 
 ALL = (
     MIXED_PRECISION,
@@ -60,6 +63,8 @@ ALL = (
     PEAK_FLOPS,
     LAUNCHER_PID,
     CONFIG_SOURCES,
+    CHECKPOINT_GRACE,
+    INTERRUPTED_SAVE_NOTES,
 )
 
 _TRUE = {"1", "true", "yes", "on"}
@@ -109,6 +114,26 @@ while the others wait fits in it on any reasonable setup."""
 DEFAULT_FIRST_STEP_TIMEOUT_SECONDS = 900.0
 """The same limit until the first optimizer step: start-up may compile, warm data pipelines up or have
 rank 0 download what the others wait for. An explicit timeout applies to both."""
+
+DEFAULT_CHECKPOINT_GRACE_SECONDS = 20.0
+"""How long a process told to stop (SIGINT, SIGTERM) while an asynchronous save is in flight keeps
+writing it before abandoning it (checkpoint/stop_signals.py). Under the 30 s that torch's elastic agent,
+SLURM (KillWait) and Kubernetes (terminationGracePeriodSeconds) give by default between SIGTERM and
+SIGKILL, with room to end after it."""
+STOP_MARGIN_SECONDS = 10
+"""What `unison launch` lets its workers take beyond the grace to end, before its agent SIGKILLs them."""
+
+
+def checkpoint_grace_seconds() -> float:
+    """UNISON_CHECKPOINT_GRACE, or its default; a ValueError naming the fix for a negative or non-number."""
+    grace = env_float(CHECKPOINT_GRACE, DEFAULT_CHECKPOINT_GRACE_SECONDS)
+    if not (math.isfinite(grace) and grace >= 0):
+        raise ValueError(
+            f"{CHECKPOINT_GRACE}={os.environ[CHECKPOINT_GRACE]!r}: give the seconds (0 or more) a process "
+            f"told to stop may spend finishing the checkpoint it is saving, e.g. {CHECKPOINT_GRACE}=60."
+        )
+    return grace
+
 
 MIXED_PRECISION_CHOICES = ("no", "bf16", "fp16")
 

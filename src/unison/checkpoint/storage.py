@@ -301,6 +301,24 @@ def abandon_checkpoint(tmp_dir: Path) -> None:
         shutil.rmtree(tmp_dir, ignore_errors=True)
 
 
+def abandon_checkpoint_in_flight(tmp_dir: Path) -> bool:
+    """Remove the temporary directory of a save that a background writer may still be writing; whether
+    this process did (the main process does, unless it was gone already: the writer had just renamed it
+    into place, or removed it after failing). It is renamed aside first, atomically, so the writer's own
+    rename into place fails rather than publish a directory being deleted (its later files fail too:
+    their paths are gone)."""
+    if not PartialState().is_main_process:
+        return False
+    aside = tmp_dir.with_name(tmp_dir.name + ".abandoned")
+    _remove_if_present(aside)
+    try:
+        os.replace(tmp_dir, aside)
+    except FileNotFoundError:
+        return False
+    shutil.rmtree(aside, ignore_errors=True)
+    return True
+
+
 def _said_if_out_of_space(error: Exception, final_dir: Path) -> Exception:
     """`error` of a write of the checkpoint `final_dir`, as a CheckpointError that says so where the disk
     (or the quota) is full: torch.save reports a full disk as `[enforce fail at inline_container.cc:...]

@@ -8,7 +8,8 @@ StateDictStager: buffers reused from one save to the next, pinned where a GPU ex
 background thread writes the copies and finishes the checkpoint over a gloo process group of its own,
 so its collectives never pair with the training loop's, and on CPU that training leaves idle until
 something waits for it (idle_priority.py). Every guarantee of a synchronous save holds:
-the directory appears complete or not at all, and at most one save is in flight.
+the directory appears complete or not at all, and at most one save is in flight. A process told to stop
+(SIGINT, SIGTERM) while a save is in flight finishes it first, within a bound (stop_signals.py).
 """
 
 from __future__ import annotations
@@ -25,8 +26,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import env_vars
+from ..state import PartialState
 from .idle_priority import IdlePriority
-from .storage import finish_checkpoint, save_object
+from .manifest import MANIFEST_NAME
+from .stop_signals import FinishOnStop, StoppedSave, report, report_killed_meanwhile
+from .storage import abandon_checkpoint_in_flight, finish_checkpoint, save_object
 
 logger = logging.getLogger("unison")
 
@@ -65,7 +70,8 @@ class AsyncCheckpointWriter:
     waits for the previous save; `stage()` copies a save's objects to host memory; `start()` writes and
     finishes it on a thread. `wait()` returns when no save is in flight, raising the failure of the last
     one (on every process: the thread's finish agrees over the processes). The interpreter's exit waits
-    too, so a script that ends right after save_state still leaves a complete checkpoint.
+    too, so a script that ends right after save_state still leaves a complete checkpoint; so does a
+    SIGINT or SIGTERM, for at most UNISON_CHECKPOINT_GRACE seconds (`_finish_on_stop`).
     """
 
     def __init__(self) -> None:
@@ -74,8 +80,12 @@ class AsyncCheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._in_flight: Path | None = None
+        self._staging: Path | None = None
+        self._abandoned = False  # a stop signal's grace ran out: the exit does not wait for the thread
         self._exit_wait_registered = False
         self._priority = IdlePriority()  # the write in flight's: idle CPU only, until something waits for it
+        self._grace = env_vars.DEFAULT_CHECKPOINT_GRACE_SECONDS  # read again as each save starts
+        self._stop_signals = FinishOnStop(self._finish_on_stop)
 
     @property
     def in_flight(self) -> Path | None:
@@ -83,7 +93,9 @@ class AsyncCheckpointWriter:
         return self._in_flight if self._thread is not None and self._thread.is_alive() else None
 
     def prepare(self) -> None:
-        """Wait for the previous save (saying so if it was not done), and make the writer's group."""
+        """Wait for the previous save (saying so if it was not done), and make the writer's group; read
+        UNISON_CHECKPOINT_GRACE (stop_signals.py)."""
+        self._grace = env_vars.checkpoint_grace_seconds()  # a wrong value fails here, before any file
         pending = self.in_flight
         started = time.perf_counter()
         self.wait()
@@ -122,7 +134,8 @@ class AsyncCheckpointWriter:
         if not self._exit_wait_registered:
             _at_interpreter_exit(self._wait_at_exit)
             self._exit_wait_registered = True
-        self._error, self._in_flight, self._priority = None, final_dir, IdlePriority()
+        self._error, self._in_flight, self._staging, self._priority = None, final_dir, staging, IdlePriority()
+        self._abandoned = False
         self._thread = threading.Thread(
             target=self._write,
             args=(writes, staging, final_dir, metadata, on_complete),
@@ -130,6 +143,7 @@ class AsyncCheckpointWriter:
             daemon=True,  # a process killed mid-write leaves the temporary directory, never a checkpoint
         )
         self._thread.start()
+        self._stop_signals.install()
 
     def _write(
         self,
@@ -156,14 +170,42 @@ class AsyncCheckpointWriter:
         if thread is None:
             return None
         self._priority.restore()  # whoever waits, training is not running: the write takes full CPU
-        thread.join()
+        try:
+            thread.join()  # a stop signal meanwhile still finishes the save first, within the grace
+        finally:
+            self._stop_signals.restore()
         self._thread, self._in_flight = None, None
         if self._error is not None:
             error, self._error = self._error, None
             raise error
         return finished
 
+    def _finish_on_stop(self, signal_name: str) -> None:
+        """A stop signal came (stop_signals.py): give the save in flight up to the grace to finish, then
+        abandon it (the main process removes its temporary directory); say which. A save that ended
+        before this process could handle the signal (its main thread was blocked) is reported too."""
+        thread, final_dir = self._thread, self._in_flight
+        if thread is None or final_dir is None:  # nothing saved in the background since the last wait
+            return
+        seconds = None
+        if thread.is_alive():
+            started = time.perf_counter()
+            report_killed_meanwhile(final_dir, self._grace)
+            self._priority.restore()  # training has stopped: the write takes full CPU
+            thread.join(self._grace)
+            seconds = time.perf_counter() - started
+        outcome, removed = "completed" if self._error is None else "failed", False
+        if thread.is_alive():
+            self._abandoned, outcome = True, "abandoned"
+            removed = abandon_checkpoint_in_flight(self._staging)
+            if PartialState().is_main_process and not removed:  # the writer got there first, just now
+                outcome = "completed" if (final_dir / MANIFEST_NAME).is_file() else "failed"
+        error = None if self._error is None else f"{type(self._error).__name__}: {self._error}"
+        report(StoppedSave(final_dir, outcome, self._grace, seconds, error, removed), signal_name)
+
     def _wait_at_exit(self) -> None:
+        if self._abandoned:  # its directory is gone; the thread may still be writing a file nobody will read
+            return
         try:
             self.wait()
         except Exception as error:  # the exit goes on; the checkpoint was not renamed into place

@@ -37,6 +37,11 @@ _VARIABLES = [
     (f"{env_vars.NUMERICS}=unison|accelerate", "--numerics"),
     (f"{env_vars.PEAK_FLOPS}=FLOPS", "--peak-flops (read by unison.throughput.peak_flops)"),
     ("OMP_NUM_THREADS", "usable cores / NPROC, unless already set"),
+    (
+        "TORCH_ELASTIC_SHUTDOWN_TIMEOUT",
+        f"{env_vars.CHECKPOINT_GRACE} (default {env_vars.DEFAULT_CHECKPOINT_GRACE_SECONDS:g}) "
+        f"+ {env_vars.STOP_MARGIN_SECONDS} s, unless already set",
+    ),
 ]
 
 EPILOG = (

@@ -41,7 +41,7 @@ from ..env_vars import validate_mixed_precision
 from ..parallel.config import ParallelismConfig, is_auto
 from . import contact, rendezvous
 from .options import LaunchError, LaunchOptions, compile_variables, parse_nnodes, usable_cpu_count, validate
-from .report import quiet_agent_shutdown, report_failure
+from .report import quiet_agent_shutdown, report_failure, stopped_line
 
 logger = logging.getLogger("unison")
 
@@ -50,6 +50,9 @@ __all__ = ["LaunchError", "LaunchOptions", "launch", "validate", "worker_environ
 
 RANK_PREFIX_TEMPLATE = "[rank${rank}]: "
 """torch.distributed.run's log_line_prefix_template: each worker line starts with its global rank."""
+
+SHUTDOWN_TIMEOUT = "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"
+"""torch's seconds between the agent's SIGINT/SIGTERM to the workers and its SIGKILL (30 unless set)."""
 
 DEFAULT_MASTER_PORT = 29500
 DEFAULT_C10D_PORT = 29400  # torchrun's, for an --rdzv-endpoint without a port
@@ -100,7 +103,8 @@ def worker_environment(
 
     Only settings that were given are exported, so variables the user exported by hand still reach
     the workers when the flag is absent. With `rendezvous_host`, gloo's and NCCL's network interface
-    too (see `socket_interfaces`).
+    too (see `socket_interfaces`). Always the agent's wait before it SIGKILLs stopped workers
+    (`stop_wait_seconds`), unless the user set it.
     """
     env = {}
     if cpu:
@@ -125,9 +129,22 @@ def worker_environment(
         # torch would set 1 with a warning; a share of the cores is a better default for CPU work.
         env["OMP_NUM_THREADS"] = str(max(usable_cpu_count() // nproc_per_node, 1))
     env[env_vars.LAUNCHER_PID] = str(os.getpid())  # the agent runs here: the workers' parent
+    if SHUTDOWN_TIMEOUT not in os.environ:
+        env[SHUTDOWN_TIMEOUT] = str(stop_wait_seconds())
     env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # c10d only: fresh store per restart attempt
     env["TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE"] = RANK_PREFIX_TEMPLATE
     return env
+
+
+def stop_wait_seconds() -> int:
+    """How long the elastic agent lets stopped workers end before it SIGKILLs them: the grace in which they
+    finish a checkpoint in flight (UNISON_CHECKPOINT_GRACE, checkpoint/stop_signals.py) and a margin to
+    end after it. Exported as TORCH_ELASTIC_SHUTDOWN_TIMEOUT unless the user set that."""
+    try:
+        grace = env_vars.checkpoint_grace_seconds()
+    except ValueError as error:
+        raise LaunchError(str(error)) from None
+    return math.ceil(grace) + env_vars.STOP_MARGIN_SECONDS
 
 
 def socket_interfaces(rendezvous_host: str, local_addr: str | None = None) -> dict[str, str]:
@@ -298,6 +315,9 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
         env.update(compile_variables(options))
         if sources is not None:
             env[env_vars.CONFIG_SOURCES] = sources
+        notes = os.path.join(log_dir, "interrupted_save")  # what a stop did to a save in flight, per rank
+        os.mkdir(notes)
+        env[env_vars.INTERRUPTED_SAVE_NOTES] = notes
         with exported(env), quiet_agent_shutdown(), _contact_watch(options):
             logger.debug("torch.distributed.run %s", " ".join(argv))
             try:
@@ -307,7 +327,7 @@ def launch(options: LaunchOptions, sources: str | None = None) -> int:
             except rendezvous.FAILURES as error:
                 return _report_rendezvous_failure(error, options)
             except SignalException as error:
-                logger.error("unison launch: stopped by %s; the workers were terminated.", error.sigval.name)
+                logger.error("%s", stopped_line(error.sigval.name, notes))
                 return 128 + int(error.sigval)
     return 0
 

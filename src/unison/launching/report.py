@@ -13,6 +13,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
@@ -74,6 +75,19 @@ def report_failure(error: ChildFailedError) -> int:
         f" Ranks {others} were stopped or failed after it." if others else "",
     )
     return failure.exitcode if 0 < failure.exitcode < 128 else 1
+
+
+def stopped_line(signal_name: str, notes: str) -> str:
+    """The line a launch stopped by a signal ends with. What became of a save in flight then (finished
+    first, or lost: checkpoint/stop_signals.py) is in `notes`, one file per worker that handled the
+    signal: the lowest rank's outcome, else, when the workers were killed while they waited for it, what
+    it said before waiting."""
+    folder = Path(notes)
+    for kind in ("outcome", "waiting"):
+        written = sorted(folder.glob(f"*.{kind}"), key=lambda note: int(note.name.split(".")[0]))
+        if written:
+            return f"unison launch: stopped by {signal_name}; {written[0].read_text()}"
+    return f"unison launch: stopped by {signal_name}; the workers were terminated."
 
 
 class AgentShutdownChatter(logging.Filter):
