@@ -11,6 +11,9 @@
 # reported), run alone; then those marked `cluster`: under the real srun, sbatch, mpirun and mpiexec
 # on a one-host SLURM cluster of their own (tests/test_real_launchers.py, 1-2 minutes), and three nodes
 # in network namespaces, one losing its link (tests/test_three_nodes.py, about a minute).
+# Each test's and each launch's time limit is scaled by how busy the machine is when a part starts
+# (tests/slowness.py: a workload timed against the idle machine's 0.25 s; UNISON_TEST_SLOWNESS=F sets the
+# factor): a busy machine gives a slower run, not timeouts. The seconds the serial tests assert are not scaled.
 # Extra arguments go to pytest (both parts); UNISON_SKIP_FRESH_ENV=1 skips the fresh environment for a
 # quick local re-run (CI never sets it).
 set -euo pipefail

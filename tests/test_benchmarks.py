@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from launching import REPO_ROOT
+from slowness import budget
 
 BENCHMARKS = REPO_ROOT / "benchmarks"
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -24,7 +25,9 @@ def test_strategies_versus_raw_torch_computes_the_same_losses(tmp_path):
     out = tmp_path / "raw.json"
     command = [sys.executable, str(BENCHMARKS / "strategies.py"), "--nproc", "2", "--parts", "raw"]
     command += ["--rounds", "2", "--steps-per-round", "1", "--out", str(out)]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=300)
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=budget(300)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     rows = {row["layout"]: row for row in json.loads(out.read_text())["versus_raw"]}
     assert set(rows) == {
@@ -42,7 +45,9 @@ def test_strategies_versus_raw_torch_computes_the_same_losses(tmp_path):
 def _smoke_run(script: str) -> str:
     """`script --smoke` on the CPU (the configuration that checks a GPU benchmark runs); its stdout."""
     command = [sys.executable, str(BENCHMARKS / script), "--smoke"]
-    result = subprocess.run(command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        command, cwd=REPO_ROOT, env=ENV, capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0, result.stdout + result.stderr
     return result.stdout
 

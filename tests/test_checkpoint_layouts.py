@@ -19,6 +19,7 @@ import torch
 from launching import WORKERS, launch_ok
 from safetensors import safe_open
 from safetensors.torch import load_file
+from slowness import budget
 
 from unison.checkpoint import verify_checkpoint
 from unison.checkpoint.dcp_reading import SafeFileSystemReader
@@ -145,7 +146,7 @@ def test_the_export_command_writes_bf16_shards_under_accelerates_name(saved, tmp
         + ["--dtype", "bf16", "--max-shard-size", "20KB"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode == 0, result.stderr
     index = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
@@ -165,7 +166,7 @@ def test_the_export_command_writes_bf16_shards_under_accelerates_name(saved, tmp
         [sys.executable, "-m", "unison", "export", tmp_path / "nothing", tmp_path / "out2"],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing.stderr
     assert f"no checkpoint at {tmp_path / 'nothing'}" in missing.stderr

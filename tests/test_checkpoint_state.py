@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from launching import WORKERS, launch_ok
 from safetensors.torch import load_model
+from slowness import budget
 from torch import nn
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
@@ -175,7 +176,7 @@ def test_a_script_that_ends_right_after_an_asynchronous_save_leaves_it_complete(
         [sys.executable, "-c", EXITS_AFTER_AN_ASYNC_SAVE, str(tmp_path / "checkpoint")],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode == 0 and "in flight: True" in result.stdout, result.stderr
     assert verify_checkpoint(tmp_path / "checkpoint")["files"]  # the exit waited for the write
@@ -262,7 +263,7 @@ def test_a_wait_for_a_background_write_does_not_starve_beside_busy_cores(tmp_pat
             [sys.executable, "-c", SAVES_BESIDE_BUSY_CORES, str(tmp_path / "checkpoint")],
             capture_output=True,
             text=True,
-            timeout=180,
+            timeout=budget(180),
         )
     finally:
         for loop in loops:
@@ -284,7 +285,7 @@ def test_a_process_without_cap_sys_nice_keeps_its_writer_at_normal_priority():
         ["prlimit", "--nice=0", *drop, sys.executable, "-c", probe],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode == 0 and result.stdout.strip() == "False", result.stdout + result.stderr
 

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import WORKERS, describe, launch, launch_ok
+from slowness import budget
 
 from unison.checkpoint import (
     MANIFEST_NAME,
@@ -284,7 +285,7 @@ def test_two_processes_write_one_checkpoint_and_a_killed_save_leaves_the_previou
     )
     runner.start()
     ready = [out_dir / f"ready{rank}.json" for rank in range(2)]
-    deadline = time.monotonic() + 200
+    deadline = time.monotonic() + budget(200)
     while not all(path.exists() for path in ready) and runner.is_alive() and time.monotonic() < deadline:
         time.sleep(0.1)
     time.sleep(0.2)  # let both writers finish writing their announcements

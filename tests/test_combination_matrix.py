@@ -20,11 +20,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
-from launching import REPO_ROOT, WORKERS, describe, launch_ok
+from launching import REPO_ROOT, WORKERS, describe, launch_ok, run
 
 LAYOUTS = {
     2: ("ddp", "zero1", "zero2", "zero3", "tp_size=2", "pp_size=2", "cp_size=2"),
@@ -61,12 +60,10 @@ def matrix(tmp_path_factory) -> dict:
         measured = json.loads((out / f"{nproc}.json").read_text())
         report.update(measured)
         report["processes"].update({layout: nproc for layout in layouts})
-    resumed = subprocess.run(
+    resumed = run(
         [sys.executable, "matrix_worker.py", "resume", out / "resume.json", *sorted(checkpoints.iterdir())],
         cwd=WORKERS,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert resumed.returncode == 0, describe(resumed)

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from launching import REPO_ROOT, WORKERS, describe
+from slowness import budget
 
 from unison.commands.launch import options_from_args
 from unison.commands.launch_config_flags import apply_config_file
@@ -38,7 +39,7 @@ def unison(*args: str, cwd: Path, env: dict | None = None) -> subprocess.Complet
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=budget(240),
     )
 
 
@@ -85,7 +86,7 @@ def test_config_asks_the_questions_on_a_terminal(tmp_path):
     os.close(secondary)
     # nproc_per_node, cpu, mixed_precision (a wrong answer, asked again), accumulation, then defaults
     os.write(primary, b"2\nyes\nbf17\nbf16\nmaybe\n0\n3\n\n\n\n")
-    out, err = process.communicate(timeout=120)
+    out, err = process.communicate(timeout=budget(120))
     os.close(primary)
     assert process.returncode == 0, err
     assert "mixed precision (no, bf16, fp16) [no]: " in out

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from slowness import budget
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -114,7 +115,7 @@ def test_cuda_rng_synchronisation_gives_each_process_process_0s_device_state(tmp
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=budget(300),
     )
     assert result.returncode == 0, result.stderr
     drawn = [json.loads((tmp_path / f"rank{rank}.json").read_text())["drawn"] for rank in range(2)]

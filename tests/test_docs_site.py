@@ -21,6 +21,7 @@ from pathlib import Path
 
 import pytest
 from launching import REPO_ROOT
+from slowness import budget
 
 from unison import Accelerator
 from unison.commands.main import build_parser
@@ -37,7 +38,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=budget(240),
         env={**os.environ, "NO_MKDOCS_2_WARNING": "1"},  # mkdocs-material's banner about its successor
     )
     assert built.returncode == 0, built.stderr

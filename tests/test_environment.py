@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from slowness import budget
 
 from unison import state as state_module
 from unison.environment import (
@@ -380,7 +381,7 @@ def test_plain_processes_with_mpiruns_variables_form_one_group_and_train_as_one_
         )
         for rank in range(NPROC)
     ]
-    outputs = [worker.communicate(timeout=120)[0] for worker in workers]
+    outputs = [worker.communicate(timeout=budget(120))[0] for worker in workers]
     assert [worker.returncode for worker in workers] == [0] * NPROC, "\n".join(outputs)
     records = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(NPROC)]
     for rank, record in enumerate(records):

@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from launching import REPO_ROOT, launch_ok
+from slowness import budget
 from torch.utils.data import DataLoader
 
 from unison.checkpoint import load_object
@@ -38,7 +39,7 @@ spans = _load(EXAMPLES / "finetune" / "spans.py", "finetune_test_spans")
 def _run(*args: str, timeout: float = 120) -> str:
     """One process, no launcher: `python SCRIPT ARGS` from the repository root; its stdout."""
     result = subprocess.run(
-        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout
+        [sys.executable, *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=budget(timeout)
     )
     assert result.returncode == 0, f"{args}\n{result.stdout}\n{result.stderr}"
     return result.stdout
@@ -144,7 +145,7 @@ def test_finetune_without_a_checkpoint_says_how_to_make_one(tmp_path):
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode != 0
     assert f"--init-from {tmp_path}: no GPT checkpoint there" in result.stderr

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn as nn
 from launching import REPO_ROOT, launch_ok
+from slowness import budget
 
 EXAMPLE = REPO_ROOT / "examples" / "gpt"
 
@@ -226,7 +227,11 @@ def test_train_py_under_two_processes_logs_from_rank_0_and_runs_the_requested_st
         f"{tmp_path}/loss.png",
     ]
     plotted = subprocess.run(
-        [sys.executable, "-m", "unison", *command], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "unison", *command],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=budget(120),
     )
     assert plotted.returncode == 0, plotted.stderr
     assert f"wrote {tmp_path}/loss.png: loss, val_loss of gpt" in plotted.stdout
@@ -244,7 +249,7 @@ def test_train_py_resumes_from_its_checkpoint_where_it_stopped(tmp_path):
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=budget(120),
         )
         assert result.returncode == 0, result.stderr
         return result.stdout

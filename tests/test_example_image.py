@@ -19,6 +19,7 @@ import sys
 import pytest
 import torch
 from launching import REPO_ROOT, launch_ok
+from slowness import budget
 
 EXAMPLE = REPO_ROOT / "examples" / "image"
 ACCURACY_LINE = re.compile(r"^\[rank0\]: epoch (\d+) \| test accuracy (\d+\.\d\d)% \((\d+) of (\d+)\)", re.M)
@@ -129,7 +130,7 @@ def test_resume_from_the_first_epochs_checkpoint_ends_as_the_uninterrupted_run(t
             },  # as launch() runs it: 2 threads on a busy machine crawl
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=budget(120),
         )
         assert result.returncode == 0, result.stderr
         return result.stdout

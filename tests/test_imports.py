@@ -15,6 +15,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slowness import budget
+
 import unison.checkpoint
 
 HEAVY_ENGINES = (
@@ -41,7 +43,7 @@ def test_import_unison_and_its_commands_loads_no_heavy_engine():
         [sys.executable, "-c", LAUNCHER_IMPORTS.format(engines=HEAVY_ENGINES)],
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout.strip().splitlines()[-1]) == []

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from launching import REPO_ROOT, describe, launch, launch_ok
+from slowness import budget
 from torch.distributed import run as torchrun
 
 from unison import env_vars
@@ -31,7 +32,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 120) -> subpro
         env={**os.environ, **(env or {})},
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=budget(timeout),
     )
 
 
@@ -126,7 +127,7 @@ def test_ctrl_c_stops_every_process_with_one_line(tmp_path):
     ready = [process.stdout.readline() for _ in range(2)]
     assert sorted(line.split(": ", 1)[1] for line in ready) == ["rank 0 ready\n", "rank 1 ready\n"], ready
     os.killpg(process.pid, signal.SIGINT)
-    stdout, stderr = process.communicate(timeout=60)
+    stdout, stderr = process.communicate(timeout=budget(60))
     assert process.returncode == 130, (stdout, stderr)
     assert stderr.strip().splitlines() == [
         "unison launch: stopped by SIGINT; the workers were terminated."
@@ -171,7 +172,7 @@ def test_static_two_node_launch_on_one_host(tmp_path):
         )
         for node in (1, 0)  # the non-master node first: it must wait for node 0
     ]
-    outputs = [node.communicate(timeout=120)[0] for node in nodes]
+    outputs = [node.communicate(timeout=budget(120))[0] for node in nodes]
     assert [node.returncode for node in nodes] == [0, 0], outputs
     for rank in range(2):
         seen = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -333,7 +334,7 @@ def test_env_report():
     console = Path(sys.executable).with_name("unison")
     assert console.is_file(), f"no unison console script beside {sys.executable}: pip install the package"
     text = subprocess.run(
-        [str(console), "env"], env={**os.environ, **env}, capture_output=True, text=True, timeout=60
+        [str(console), "env"], env={**os.environ, **env}, capture_output=True, text=True, timeout=budget(60)
     )
     assert text.returncode == 0, describe(text)
     assert f"torch: {torch.__version__}" in text.stdout.splitlines()
@@ -349,7 +350,7 @@ def test_notebook_launcher():
         env={**os.environ, "OMP_NUM_THREADS": "1"},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
     assert result.returncode == 0, describe(result)
     report = json.loads(result.stdout.split("REPORT ", 1)[1])
@@ -469,11 +470,11 @@ def test_a_worker_whose_launcher_is_already_gone_ends_at_once():
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
         env.pop(name, None)
     command = [sys.executable, "-c", script]
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=budget(60))
     assert result.returncode == 1 and "still running" not in result.stdout, describe(result)
     assert f"the launcher (pid {os.getpid() + 1_000_000}) is gone; this worker ends." in result.stderr
     env[env_vars.LAUNCHER_PID] = str(os.getpid())  # the real parent: the worker goes on
-    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60)
+    result = subprocess.run(command, env=env, capture_output=True, text=True, timeout=budget(60))
     assert result.returncode == 0 and "still running" in result.stdout, describe(result)
 
 

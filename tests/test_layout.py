@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from slowness import budget
+
 import unison
 
 PACKAGE = Path(unison.__file__).parent
@@ -198,6 +200,8 @@ def test_the_commands_help_runs_without_torch():
         "        assert end.code == 0, (argv, end.code)\n"
         "print('commands:', ' '.join(commands))\n"
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "commands: launch env config estimate-memory plan plot" in result.stdout

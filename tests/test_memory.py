@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn as nn
 from launching import REPO_ROOT
+from slowness import budget
 
 from unison.commands.main import build_parser
 from unison.planning import memory, memory_table
@@ -220,7 +221,7 @@ def run_cli(*args: str) -> subprocess.CompletedProcess:
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=budget(120),
     )
 
 

@@ -32,6 +32,7 @@ import pytest
 import torch
 from launching import REPO_ROOT
 from namespaces import cannot_make_namespaces, ip
+from slowness import budget
 
 WORKER = "tests/workers/multi_node_worker.py"
 NODE_A, NODE_B = "10.213.0.1", "10.213.0.2"
@@ -160,7 +161,9 @@ def runs(namespaces, tmp_path_factory):
     }
     try:
         with ThreadPoolExecutor(len(started)) as pool:  # one waiter each: each run's own duration
-            return dict(zip(started, pool.map(lambda run: _finish(run, timeout=120), started.values())))
+            return dict(
+                zip(started, pool.map(lambda run: _finish(run, timeout=budget(120)), started.values()))
+            )
     finally:
         for run in started.values():
             if run.process.poll() is None:
@@ -268,7 +271,9 @@ def test_an_address_this_node_cannot_reach_is_named(namespaces):
     )
     path = REPO_ROOT / "src" / "unison" / "network.py"
     command = ["ip", "netns", "exec", namespaces["a"], sys.executable, "-c", script, str(path)]
-    result = subprocess.run([*command, "192.168.77.1", "node-z"], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [*command, "192.168.77.1", "node-z"], capture_output=True, text=True, timeout=budget(60)
+    )
     assert result.returncode == 0, result.stderr
     no_route, no_name = result.stdout.splitlines()
     assert no_route.startswith("the rendezvous host 192.168.77.1: this node has no route to that address"), (

@@ -14,6 +14,7 @@ import sys
 
 import pytest
 from launching import REPO_ROOT, WORKERS
+from slowness import budget
 
 from unison.parallel.apply import data_parallel_engine
 from unison.parallel.config import ParallelismConfig
@@ -30,7 +31,7 @@ def report(tmp_path_factory):
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=budget(300),
     )
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(out.read_text())

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 from launching import REPO_ROOT
+from slowness import budget
 from tiny_gpt import gpt_model, llama_model
 
 from unison.commands.main import build_parser
@@ -342,7 +343,7 @@ def test_cli_json_for_scripts():
         [sys.executable, "-m", "unison", "plan", "examples/llama/model.py:llama_3_1_405b", "--devices", "512",
          "--nodes", "64", "--device-memory", "80GB", "--precision", "bf16-mixed", "--micro-batch-size", "1",
          "--seq-len", "8192", "--activation-checkpointing", "--json"],
-        cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        cwd=REPO_ROOT, capture_output=True, text=True, timeout=budget(120),
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)

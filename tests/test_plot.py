@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from launching import REPO_ROOT
+from slowness import budget
 
 from unison.commands.main import main
 from unison.observing import plotting
@@ -133,7 +134,7 @@ def test_cli_plots_a_project_folder_of_two_runs_and_refuses_an_unknown_metric(tm
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
-            timeout=120,
+            timeout=budget(120),
         )
 
     project = tmp_path / "project"

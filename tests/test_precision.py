@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 import torch
+from slowness import budget
 from torch import nn
 
 from unison import (
@@ -264,5 +265,7 @@ def test_fp16_scaler_unscales_plain_and_dtensor_gradients_together():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

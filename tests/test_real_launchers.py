@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from launching import REPO_ROOT
+from slowness import budget
 
 Completed = subprocess.CompletedProcess
 
@@ -63,7 +64,7 @@ def run(
         cwd=REPO_ROOT,
         capture_output=True,
         text=True,
-        timeout=timeout,
+        timeout=budget(timeout),
     )
     return result, time.monotonic() - started
 
@@ -106,7 +107,7 @@ def references(tmp_path_factory) -> dict[str, list[tuple[int, float]]]:
         for name, command in commands.items()
     }
     for name, process in processes.items():
-        output = process.communicate(timeout=240)[0]
+        output = process.communicate(timeout=budget(240))[0]
         assert process.returncode == 0, f"{name}:\n{output}"
     return {name: losses(base / name) for name in commands}
 
@@ -120,10 +121,12 @@ def slurm(tmp_path_factory) -> dict[str, str]:
         pytest.skip("the one-host SLURM cluster runs its daemons as root")
     folder = tmp_path_factory.mktemp("slurm")
     script = REPO_ROOT / "scripts" / "slurm_cluster.sh"
-    started = subprocess.run(["bash", script, "start", folder], capture_output=True, text=True, timeout=60)
+    started = subprocess.run(
+        ["bash", script, "start", folder], capture_output=True, text=True, timeout=budget(60)
+    )
     assert started.returncode == 0, started.stdout + started.stderr
     yield clean_environment() | {"SLURM_CONF": str(folder / "slurm.conf")}
-    subprocess.run(["bash", script, "stop", folder], timeout=60)
+    subprocess.run(["bash", script, "stop", folder], timeout=budget(60))
 
 
 # -- SLURM -----------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import time
 
 import pytest
 from launching import process_running
+from slowness import budget
 
 from unison.launching import contact
 from unison.launching.launcher import c10d_conf
@@ -52,7 +53,7 @@ STAND_IN = textwrap.dedent(
 def _stand_in(mode: str) -> tuple[subprocess.CompletedProcess, float]:
     started = time.monotonic()
     result = subprocess.run(
-        [sys.executable, "-c", STAND_IN, mode], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", STAND_IN, mode], capture_output=True, text=True, timeout=budget(60)
     )
     return result, time.monotonic() - started
 

@@ -12,6 +12,7 @@ import sys
 import textwrap
 
 import torch
+from slowness import budget
 
 
 def test_device_mesh_flatten_names_a_flattened_dp_dimension():
@@ -31,7 +32,9 @@ def test_device_mesh_flatten_names_a_flattened_dp_dimension():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -102,7 +105,9 @@ def test_ddp_says_whether_its_forward_armed_the_backward_all_reduce():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -122,7 +127,9 @@ def test_a_group_counts_the_collectives_it_issued():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr
 
 
@@ -265,5 +272,7 @@ def test_dtensor_caches_that_hold_device_meshes_can_be_emptied():
         print("ok")
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr

@@ -13,6 +13,7 @@ import textwrap
 import pytest
 import torch
 import torch.distributed as dist
+from slowness import budget
 
 from unison.health.position import DDP_ALL_REDUCE, Position, traceback_position
 from unison.health.watchdog import DIVERGENCE_CHECK_SECONDS, diagnosis, diverged
@@ -107,7 +108,9 @@ def test_a_backward_is_in_ddps_all_reduce_once_its_group_issued_collectives_afte
         dist.destroy_process_group()
         """
     )
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=budget(120)
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.splitlines() == [
         "('running', '', None)",
