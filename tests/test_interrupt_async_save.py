@@ -15,6 +15,7 @@ import pytest
 import torch
 from interrupt_save_worker import prepared
 from launching import REPO_ROOT, WORKERS
+from slowness import budget
 
 from unison import Accelerator, env_vars
 from unison.checkpoint import MANIFEST_NAME, verify_checkpoint
@@ -47,7 +48,7 @@ def test_ctrl_c_during_an_asynchronous_save_finishes_it_and_the_last_line_says_s
     checkpoint = tmp_path / "checkpoints" / "checkpoint_3"
     complete_before = (checkpoint / MANIFEST_NAME).exists()
     os.killpg(process.pid, signal.SIGINT)  # as a terminal's Ctrl-C
-    stdout, stderr = process.communicate(timeout=180)
+    stdout, stderr = process.communicate(timeout=budget(180))
     assert marker == f"[rank0]: saved {checkpoint}\n", (marker, stdout, stderr)
     assert not complete_before, "the write ended within 0.2 s: the signal came too late to test anything"
     assert process.returncode == 130, (stdout, stderr)
