@@ -23,6 +23,7 @@ import os
 import sys
 
 import pytest
+from generated_docs import check_or_write
 from launching import REPO_ROOT, WORKERS, describe, launch_ok, run
 
 LAYOUTS = {
@@ -127,11 +128,4 @@ def cell_text(matrix: dict, layout: str, precision: str) -> str:
 
 
 def test_the_documented_matrix_is_the_measured_one(matrix):
-    table = render_table(matrix)
-    text = DOC.read_text()
-    before, rest = text.split(START)
-    _, after = rest.split(END)
-    if os.environ.get("UNISON_WRITE_MATRIX") == "1":
-        DOC.write_text(f"{before}{START}\n{table}{END}{after}")
-        return
-    assert f"{START}\n{table}{END}" in text, f"docs/matrix.md is out of date; the runs give:\n{table}"
+    check_or_write(DOC, START, END, render_table(matrix), "UNISON_WRITE_MATRIX")

@@ -27,6 +27,7 @@ from collections import Counter
 
 import pytest
 import torch
+from generated_docs import check_or_write
 from launching import REPO_ROOT, WORKERS, describe, launch_ok, run
 
 WORKER = WORKERS / "resume_every_step_worker.py"
@@ -154,11 +155,4 @@ def render_table(runs: dict) -> str:
 
 
 def test_the_documented_table_is_the_measured_one(runs):
-    table = render_table(runs)
-    text = DOC.read_text()
-    before, rest = text.split(START)
-    _, after = rest.split(END)
-    if os.environ.get("UNISON_WRITE_RESUMES") == "1":
-        DOC.write_text(f"{before}{START}\n{table}{END}{after}")
-        return
-    assert f"{START}\n{table}{END}" in text, f"docs/checkpointing.md is out of date; the runs give:\n{table}"
+    check_or_write(DOC, START, END, render_table(runs), "UNISON_WRITE_RESUMES")
