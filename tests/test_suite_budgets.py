@@ -33,16 +33,17 @@ BURNER = "import time\nend = time.time() + 60\nwhile time.time() < end: pass"  #
 
 @pytest.mark.serial
 def test_the_factor_is_one_on_an_idle_machine_and_rises_when_the_cores_are_busy():
-    """The workload, on one thread, against 3 busy-looping processes per core: it gets a quarter of a core
-    at most, so it takes at least twice as long (measured on the 2-core machine: 0.32 s, then 1.12 s).
-    On a machine that was idle for the last minute the factor is below 1.5."""
-    idle_before = os.getloadavg()[0] < 0.5
+    """The workload, on one thread, against 3 busy-looping processes per core, plus one for each process
+    the load average says already runs: the processes it shares the cores with more than double, so it
+    takes at least twice as long (measured on the idle 2-core machine: 0.32 s, then 1.12 s; beside 8
+    other busy processes, with 6 burners instead of 14, 0.99 s then 1.68 s). On a machine that was idle
+    for the last minute the factor is below 1.5."""
+    load = os.getloadavg()[0]
     quiet = slowness.measure_seconds()
-    if idle_before:
+    if load < 0.5:
         assert quiet / slowness.NOMINAL_SECONDS < 1.5, f"{quiet:.2f} s on an idle machine"
-    burners = [
-        subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(3 * min(os.cpu_count() or 1, 4))
-    ]
+    count = min(3 * min(os.cpu_count() or 1, 4) + round(load), 40)
+    burners = [subprocess.Popen([sys.executable, "-c", BURNER]) for _ in range(count)]
     try:
         time.sleep(1)
         busy = slowness.measure_seconds()
