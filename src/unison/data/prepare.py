@@ -20,9 +20,10 @@ from torch.utils.data import BatchSampler, DataLoader, IterableDataset, RandomSa
 
 from ..state import PartialState
 from .dispatch import DataLoaderDispatcher
-from .loader import DataLoaderShard, PreparedDataLoader, carried_settings, skipping_loader
+from .loader import PreparedDataLoader, carried_settings, skipping_loader
 from .randomness import check_rng_types, with_replaced_shuffle, with_seedable_sampler
 from .replay import with_replayed_sampler
+from .shard import DataLoaderShard
 from .sharding import (
     BatchSamplerShard,
     IterableDatasetShard,
