@@ -1,8 +1,8 @@
 """Launched worker: a small run saved after EVERY optimizer step, and resumed from every checkpoint.
 
-The run: the tiny GPT, 3 epochs of 20 samples in micro-batches of 2 per data-parallel process (4 under
+The run: the tiny GPT, 3 epochs of 12 samples in micro-batches of 2 per data-parallel process (4 under
 tensor or pipeline parallelism, where both processes read the same batch), accumulation 2 (on 2 processes
-each epoch is 5 rounds: 2 windows of 2 and a short one), AdamW, a rate that changes every step, clipping;
+each epoch is 3 rounds: a window of 2 and a short one), AdamW, a rate that changes every step, clipping;
 a checkpoint after every optimizer step, into OUT/CASE-wWORLD/step_<optimizer steps>_<batches>, the
 epoch's last step included.
 
@@ -44,7 +44,7 @@ from unison import (
     skip_first_batches,
 )
 
-SEED, BLOCK, VOCAB, SAMPLES, MICRO, ACCUMULATION, EPOCHS, MAX_NORM = 3, 8, 32, 20, 2, 2, 3, 0.5
+SEED, BLOCK, VOCAB, SAMPLES, MICRO, ACCUMULATION, EPOCHS, MAX_NORM = 3, 8, 32, 12, 2, 2, 3, 0.5
 OVERFLOW_AT = 4  # fp16 kind: the 5th optimizer step overflows (an infinite loss) and is skipped
 KINDS = (
     "shuffle",  # DataLoader(shuffle=True): PyTorch's order, from the global RNG
