@@ -258,7 +258,7 @@ class PreparedDataLoader(DataLoader):
                 unique.append(generator)
         return unique
 
-    def state_dict(self) -> dict[str, int | bool | None]:
+    def state_dict(self) -> dict[str, Any]:
         """Where this loader stands, in units that do not depend on the number of processes.
 
         epoch; samples_consumed: the epoch's samples already handed out to all processes together
