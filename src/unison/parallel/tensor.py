@@ -39,7 +39,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .fused import FusedColwiseParallel, permute_fused_projections
-from .tensor_checks import check_tensor_parallel, matching_modules, retie, tied_locations
+from .module_names import matching_modules
+from .tensor_checks import check_tensor_parallel, retie, tied_locations
 from .tensor_plans import tensor_parallel_plan
 
 logger = logging.getLogger("unison")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from fnmatch import fnmatch
 
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Shard
@@ -17,26 +16,16 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .fused import FusedColwiseParallel
-from .tensor_plans import PLAN_EXAMPLE, detect_layout, join_names, leaf_name, tensor_parallel_plan
+from .module_names import join_names, leaf_name, matching_modules
+from .tensor_adapters import base_of, through_adapters
+from .tensor_plans import PLAN_EXAMPLE, detect_layout, tensor_parallel_plan
 
 logger = logging.getLogger("unison")
 
 
-def matching_modules(model: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
-    """The (name, module) pairs `parallelize_module` applies `pattern` to: fnmatch per name part."""
-    found = [("", model)]
-    for token in pattern.split("."):
-        found = [
-            (join_names(prefix, name), child)
-            for prefix, module in found
-            for name, child in module.named_children()
-            if fnmatch(name, token)
-        ]
-    return found
-
-
 def _split_size(style: ParallelStyle, module: nn.Module) -> tuple[str, int, int] | None:
     """(what, size, equal blocks in it) that `style` splits over the TP ranks; None if nothing."""
+    module = base_of(module)  # a PEFT adapter's wrapper splits as its base layer
     if isinstance(module, nn.Linear):
         if isinstance(style, FusedColwiseParallel):
             return "out_features (each fused block)", module.out_features, style.parts
@@ -72,14 +61,14 @@ def _head_counts(
     """Query and key/value heads of one attention module, from its projections and head_dim."""
     head_dim = getattr(attention, "head_dim", None)
     if layout == "gpt":
-        qkv = attention.get_submodule(leaf_name(roles["qkv"]))
+        qkv = base_of(attention.get_submodule(leaf_name(roles["qkv"])))
         width = qkv.out_features // 3
         if isinstance(head_dim, int) and head_dim > 0:
             return {"heads": width // head_dim}
         heads = _config_value(model, "n_head", "num_attention_heads")
         return {"heads": heads} if heads else {}
-    q = attention.get_submodule(leaf_name(roles["q"]))
-    k = attention.get_submodule(leaf_name(roles["k"]))
+    q = base_of(attention.get_submodule(leaf_name(roles["q"])))
+    k = base_of(attention.get_submodule(leaf_name(roles["k"])))
     if isinstance(head_dim, int) and head_dim > 0:
         return {"heads": q.out_features // head_dim, "key/value heads": k.out_features // head_dim}
     counts = {
@@ -130,10 +119,15 @@ def _check_plan(model: nn.Module, plan: Mapping[str, ParallelStyle], tp: int) ->
     for pattern, style in plan.items():
         matched = matching_modules(model, pattern)
         if not matched:
-            raise ValueError(
-                f"plan key {pattern!r} matches no submodule of {type(model).__name__}. Keys are qualified "
-                "module names, '*' matching one name part (e.g. 'transformer.h.*.mlp.c_fc'); fix the name."
+            inside = next((n for n, m in model.named_modules() if n and matching_modules(m, pattern)), None)
+            hint = (
+                f" It names modules of {inside!r} (a wrapper such as PEFT's moves the model there): "
+                f"use {join_names(inside, pattern)!r}."
+                if inside
+                else " Keys are qualified module names, '*' matching one name part (e.g. "
+                "'transformer.h.*.mlp.c_fc'); fix the name."
             )
+            raise ValueError(f"plan key {pattern!r} matches no submodule of {type(model).__name__}.{hint}")
         for name, module in matched:
             split = _split_size(style, module)
             if split is not None and split[1] % (split[2] * tp):
@@ -232,7 +226,11 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
             owner = name.rpartition(".")[0]
             module = model.get_submodule(join_names(parent, owner) if owner else parent)
             count = next((count for count in counts if count in parameter.shape), None)
-            if id(module) in planned or count is None:
+            if (
+                count is None
+                or id(module) in planned
+                or _inside_planned(model.get_submodule(parent), owner, planned)
+            ):
                 continue
             how = (
                 f" ({join_names(parent, owner)!r}: ColwiseParallel() splits an nn.Embedding's columns)"
@@ -248,6 +246,13 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
             )
 
 
+def _inside_planned(parent: nn.Module, owner: str, planned: set[int]) -> bool:
+    """Whether the module at `owner` (under `parent`) or one of its ancestors below `parent` is planned:
+    a PEFT adapter's r-wide A and B inside a planned wrapper are placed with it (tensor_adapters)."""
+    parts = owner.split(".") if owner else []
+    return any(id(parent.get_submodule(".".join(parts[:end]))) in planned for end in range(1, len(parts) + 1))
+
+
 def check_tensor_parallel(
     model: nn.Module, tp_size: int, plan: Mapping[str, ParallelStyle] | None = None
 ) -> dict[str, ParallelStyle]:
@@ -257,7 +262,9 @@ def check_tensor_parallel(
     every key must name submodules, every size a style splits must divide by `tp_size` (a fused
     projection per block), tied parameters must be sharded alike, and for a known layout whose
     attention is split, `tp_size` must divide the query and key/value head counts, and no parameter of
-    one value per head may stay whole beside projections that split the heads.
+    one value per head may stay whole beside projections that split the heads. The plan returned is
+    the one to apply: entries naming PEFT adapter wrappers become entries for their parts
+    (`tensor_adapters`).
     """
     if plan is None:
         plan = tensor_parallel_plan(model)
@@ -265,4 +272,4 @@ def check_tensor_parallel(
     _check_heads(model, plan, tp_size)
     _check_per_head_parameters(model, plan, tp_size)
     _check_ties(model, plan)
-    return dict(plan)
+    return through_adapters(model, plan)

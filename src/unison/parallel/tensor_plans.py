@@ -21,6 +21,8 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .fused import FusedColwiseParallel
+from .module_names import join_names, leaf_name
+from .tensor_adapters import base_of
 from .transformers_plans import carried_plan, translate_plan
 
 logger = logging.getLogger("unison")
@@ -43,16 +45,8 @@ def _module_patterns(model: nn.Module) -> dict[str, nn.Module]:
     return patterns
 
 
-def join_names(parent: str, child: str) -> str:
-    return f"{parent}.{child}" if parent else child
-
-
 def _parent(pattern: str) -> str:
     return pattern.rpartition(".")[0]
-
-
-def leaf_name(pattern: str) -> str:
-    return pattern.rpartition(".")[2]
 
 
 def _find(patterns: Mapping[str, nn.Module], leaf: str, in_blocks: bool | None = None) -> list[str]:
@@ -62,7 +56,7 @@ def _find(patterns: Mapping[str, nn.Module], leaf: str, in_blocks: bool | None =
 
 def _require_types(patterns: Mapping[str, nn.Module], wanted: Mapping[str, type]) -> None:
     for pattern, kind in wanted.items():
-        module = patterns[pattern]
+        module = base_of(patterns[pattern])  # a PEFT adapter's wrapper is planned as its base layer
         if not isinstance(module, kind):
             raise ValueError(
                 f"{pattern} is a {type(module).__name__}, but the built-in tensor-parallel plan needs an "
@@ -189,7 +183,15 @@ def tensor_parallel_plan(
     """
     carried = carried_plan(model)
     if carried and not (sequence_parallel or loss_parallel):
-        return translate_plan(model, carried)
+        plan = translate_plan(model, carried)
+        if not plan:  # never split nothing in silence
+            raise ValueError(
+                f"{type(model).__name__} carries a tensor-parallel plan (model.tp_plan) whose keys name none "
+                f"of its modules: it expected modules such as {sorted(carried)[:4]}, and the model's are "
+                f"named like {[n for n, _ in model.named_modules() if n][:4]}. Pass tp_plan= in the "
+                f"model's own names, {example_plan(_module_patterns(model))}"
+            )
+        return plan
     layout, roles, patterns = detect_layout(model)
     rep, seq = Replicate(), Shard(1)
     between = seq if sequence_parallel else rep  # layout of the residual stream outside the blocks' matmuls

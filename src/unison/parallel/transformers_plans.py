@@ -36,6 +36,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
 from .fused import FusedColwiseParallel
+from .module_names import join_names
 
 
 class ReplicatedOverShards(ParallelStyle):
@@ -82,11 +83,25 @@ _EXPERT_STYLES = {"moe_tp_experts", "moe_identity_expert", "packed_rowwise", "al
 
 
 def carried_plan(model: nn.Module) -> dict[str, str]:
-    """The plan a transformers model carries (`model.tp_plan`, its own module paths), {} for any other."""
+    """The plan a transformers model carries (`model.tp_plan`), keyed by `model`'s module paths; {} for
+    any other model.
+
+    A wrapper that forwards attribute reads to the model it wraps (PEFT's PeftModel answers `tp_plan`
+    for the transformers model it holds at `base_model.model`) gives that model's plan, whose keys name
+    modules from there: they are prefixed with the path of the module that holds the plan."""
     plan = getattr(model, "tp_plan", None)
     if not isinstance(plan, Mapping) or not all(isinstance(v, str) for v in plan.values()):
         return {}
+    if not _holds_plan(model):
+        for name, module in model.named_modules():
+            if name and _holds_plan(module) and module.tp_plan == plan:
+                return {join_names(name, pattern): style for pattern, style in plan.items()}
     return dict(plan)
+
+
+def _holds_plan(module: nn.Module) -> bool:
+    """Whether `tp_plan` is the module's own attribute or its class's, not one it forwards."""
+    return "tp_plan" in vars(module) or any("tp_plan" in vars(kind) for kind in type(module).__mro__)
 
 
 def translate_plan(model: nn.Module, carried: Mapping[str, str]) -> dict[str, ParallelStyle]:
