@@ -51,10 +51,11 @@ def make_model(adapter: str, gradient_checkpointing: bool) -> torch.nn.Module:
         model.gradient_checkpointing_enable()
     wrapped = peft.get_peft_model(model, ADAPTERS[adapter]())
     if adapter == "ia3":  # IA3 starts at the identity: a step away from it, so its gradients reach the base
+        generator = torch.Generator().manual_seed(5)
         with torch.no_grad():
-            for name, parameter in wrapped.named_parameters():
+            for parameter in wrapped.parameters():
                 if parameter.requires_grad:
-                    parameter.add_(0.1 * torch.randn(parameter.shape, generator=torch.Generator().manual_seed(5)))
+                    parameter.add_(0.1 * torch.randn(parameter.shape, generator=generator))
     return wrapped
 
 
@@ -125,6 +126,10 @@ def train(accelerator, model, optimizer, loader, scheduler, stop_after: int | No
     return losses
 
 
+def max_difference(state: dict, expected: dict, names: set[str]) -> float:
+    return max((state[name] - expected[name]).abs().max().item() for name in names)
+
+
 def run_case(case: str, checkpoints: Path, expected: dict) -> dict:
     adapter, layout, option = (case.split("/") + [""])[:3]
     print(f"case {case}", flush=True)  # where a crash happened
@@ -154,12 +159,13 @@ def run_case(case: str, checkpoints: Path, expected: dict) -> dict:
     full = accelerator.get_state_dict(model)
     if accelerator.is_main_process:
         state, expected_losses = expected[adapter]
-        trained = {name for name, p in make_model(adapter, False).named_parameters() if p.requires_grad}
+        start = make_model(adapter, gradient_checkpointing=False)
+        trained = {name for name, p in start.named_parameters() if p.requires_grad}
         result["loss_diff"] = max(abs(a - b) for a, b in zip(losses, expected_losses))
         result["keys_match"] = sorted(full) == sorted(state)
-        result["trained_diff"] = max((full[k] - state[k]).abs().max().item() for k in state if k in trained)
-        result["frozen_diff"] = max((full[k] - state[k]).abs().max().item() for k in state if k not in trained)
-        result["moved"] = max((state[k] - make_model(adapter, False).state_dict()[k]).abs().max().item() for k in trained)
+        result["trained_diff"] = max_difference(full, state, trained)
+        result["frozen_diff"] = max_difference(full, state, set(state) - trained)
+        result["moved"] = max_difference(start.state_dict(), state, trained)
     return result
 
 
