@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .comm_hooks import register_comm_hook, split_hook_options
 from .engines import is_fsdp_module
+from .outputs import hook_ddp_outputs
 
 
 def wrap_ddp(
@@ -29,6 +30,7 @@ def wrap_ddp(
     device_ids = [device.index] if device.type == "cuda" else None
     wrapped = DistributedDataParallel(model, device_ids=device_ids, **constructor)
     register_comm_hook(wrapped, **hook)
+    hook_ddp_outputs(wrapped)  # outputs in any container, with find_unused_parameters or static_graph
     return wrapped
 
 

@@ -34,6 +34,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from unison.parallel.blocks import find_blocks
 from unison.parallel.comm_hooks import register_comm_hook, split_hook_options
+from unison.parallel.outputs import hook_ddp_outputs, hook_sharded_outputs
 from unison.parallel.precision_units import shard_as_autocast
 
 if TYPE_CHECKING:
@@ -134,6 +135,7 @@ def apply_zero(
             **constructor,
         )
         register_comm_hook(wrapped, **hook)
+        hook_ddp_outputs(wrapped)  # outputs in any container (outputs.py)
         return wrapped
     if mesh is None:
         device_type = next(model.parameters()).device.type
@@ -153,9 +155,11 @@ def apply_zero(
         )
     if compute_dtype is not None:
         shard_as_autocast(model, units, compute_dtype, **shard_kwargs)
-        return model
-    for unit in [*units, model]:
-        fully_shard(unit, **shard_kwargs)
+    else:
+        for unit in [*units, model]:
+            fully_shard(unit, **shard_kwargs)
+    # every unit (and any sharded before, as expert parallelism's experts): outputs in any container
+    hook_sharded_outputs(model)
     return model
 
 
