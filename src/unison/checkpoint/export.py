@@ -11,6 +11,10 @@ Two facts a checkpoint's tensors cannot tell are recorded when it is saved (`des
 manifest's metadata): which names are one tied weight (written once, as Hugging Face saves them; DCP
 stores every name apart) and the model's Hugging Face config, written beside the weights as
 `config.json` so `AutoModelForCausalLM.from_pretrained(OUT_DIR)` builds the model.
+
+A PEFT model's tensors keep PEFT's names, which no from_pretrained loads: it is refused unless exported
+with its adapters merged into the base model or as PEFT's adapter folder (export_adapters.py, which also
+records at save time what rebuilding it takes).
 """
 
 from __future__ import annotations
@@ -25,6 +29,21 @@ import torch.distributed as dist
 
 from ..parallel.ddp import unwrap
 from .errors import CheckpointError
+from .export_adapters import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    ADAPTER_WEIGHTS_BIN,
+    PEFT_KEY,
+    class_name,
+    describe_peft,
+    is_peft_model,
+    merged_state,
+    refuse_no_peft,
+    refuse_plain_export,
+    refuse_unrecorded_peft,
+    save_adapters,
+)
+from .export_adapters import base_model as peft_base_model
 from .manifest import verify_checkpoint
 from .storage import load_object
 from .weights import (
@@ -54,12 +73,17 @@ def describe_models(models: list[torch.nn.Module]) -> list[dict[str, Any]]:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, local)
     return [
-        {
-            "tied": _merged([group for process in everyone for group in process[index]]),
-            "config": _hf_config(_user_root(unwrap(model))),
-        }
+        {"tied": _merged([group for process in everyone for group in process[index]]), **_described(model)}
         for index, model in enumerate(models)
     ]
+
+
+def _described(model: torch.nn.Module) -> dict[str, Any]:
+    """The model's Hugging Face config; for a PEFT model, its base model's and its adapters' configs."""
+    root = _user_root(unwrap(model))
+    if not is_peft_model(root):
+        return {"config": _hf_config(root)}
+    return {"config": _hf_config(peft_base_model(root)), PEFT_KEY: describe_peft(root)}
 
 
 def _user_root(module: torch.nn.Module) -> torch.nn.Module:
@@ -93,21 +117,27 @@ def _hf_config(root: torch.nn.Module) -> dict[str, Any] | None:
     if config is None or not callable(getattr(config, "to_json_string", None)):
         return None
     as_dict = json.loads(config.to_json_string(use_diff=False))
-    as_dict.setdefault("architectures", [type(root).__name__])
+    # as save_pretrained: the class trained, whatever the config says (null when built in the script, the
+    # pretrained class for a model of another head loaded from its checkpoint)
+    as_dict["architectures"] = [class_name(root)]
     return as_dict
 
 
 # -- on export ---------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class ExportResult:
-    """What `export_checkpoint` wrote: the weights file (or the index of its shards), the config (None
-    when the checkpoint recorded none), how many tensors under how many names, and their bytes."""
+    """What `export_checkpoint` wrote: the weights file (or the index of its shards; with adapter_only the
+    first adapter's weights), the config (None when the checkpoint recorded none), how many tensors under
+    how many names, and their bytes; for a PEFT model, the adapters merged (merge_adapters) or written
+    (adapter_only), and with adapter_only each adapter's folder."""
 
     weights: Path
     config: Path | None
     tensors: int
     names: int
     bytes: int
+    adapters: tuple[str, ...] = ()
+    adapter_folders: tuple[Path, ...] = ()
 
 
 def export_checkpoint(
@@ -117,11 +147,19 @@ def export_checkpoint(
     max_shard_size: int | str = "10GB",
     dtype: str | None = None,
     safe_serialization: bool = True,
+    merge_adapters: bool = False,
+    adapter_only: bool = False,
 ) -> ExportResult:
     """Write model `model_index` of the unison checkpoint `checkpoint` into `out_dir` as one process would
     save it for Hugging Face: safetensors (or `pytorch_model.bin` with safe_serialization=False), split
     with an index past `max_shard_size`, tied weights once, floating tensors cast to `dtype` ("bf16",
     "fp16", "fp32"; None keeps the saved ones), and `config.json` when the model had a config.
+
+    A PEFT model (peft.PeftModel) takes one of two flags, and is refused without: `merge_adapters` writes
+    its base model with the active adapters merged as PEFT's merge_and_unload() computes them (loaded by
+    the base class's from_pretrained), `adapter_only` PEFT's own folder of each adapter (save_pretrained:
+    adapter_config.json + adapter_model.safetensors, for PeftModel.from_pretrained(base, out_dir); an
+    adapter not named "default" in out_dir/NAME). Both rebuild the model with peft and transformers.
 
     The checkpoint is verified first (every file's checksum); any layout's checkpoint works, on one
     process, with no GPU.
@@ -131,22 +169,42 @@ def export_checkpoint(
             f"dtype={dtype!r} is not one of {sorted(DTYPES)}: pass one of them, or None to keep "
             "the saved dtypes."
         )
+    if merge_adapters and adapter_only:
+        raise ValueError(
+            "merge_adapters (--merge-adapters) and adapter_only (--adapter-only) write different folders "
+            "(a base model's from_pretrained would find the adapter's config beside it and load it on top): "
+            "export twice, into two folders."
+        )
     limit = parse_shard_size(max_shard_size)
     if safe_serialization:
         safetensors_save_model()  # a missing package fails before the checkpoint is read
     checkpoint = Path(checkpoint)
     manifest = verify_checkpoint(checkpoint)
     described = manifest.get("metadata", {}).get(MODELS_KEY)
+    info = described[model_index] if described and model_index < len(described) else {}
+    flag = "--merge-adapters" if merge_adapters else "--adapter-only" if adapter_only else None
+    if info.get(PEFT_KEY) is not None and flag is None:
+        refuse_plain_export(checkpoint, model_index, info)
     state = _read_model(checkpoint, model_index)
+    if info.get(PEFT_KEY) is None:
+        refuse_unrecorded_peft(checkpoint, model_index, state)
+        if flag is not None:
+            refuse_no_peft(checkpoint, model_index, info, flag)
+    out_dir = Path(out_dir)
+    if adapter_only:
+        return _export_adapters(info, state, out_dir, dtype, safe_serialization)
+    adapters: list[str] = []
+    tied = info.get("tied", [])
+    if merge_adapters:  # the merged model's ties are its shared tensors (rebuild restored them)
+        state, adapters = merged_state(info, state)
+        tied = []
     if dtype is not None:
         cast: dict[tuple, torch.Tensor] = {}  # a tensor under several names stays one tensor
         state = {name: cast.setdefault(storage_key(t), _cast(t, DTYPES[dtype])) for name, t in state.items()}
-    info = described[model_index] if described and model_index < len(described) else {}
-    for group in info.get("tied", []):  # one tensor under each name: written once
+    for group in tied:  # one tensor under each name: written once
         present = [name for name in group if name in state]
         for name in present[1:]:
             state[name] = state[present[0]]
-    out_dir = Path(out_dir)
     shards = split_into_shards(state, limit)
     if len(shards) > 1:
         weights = write_shards(shards, out_dir, safe_serialization)
@@ -164,7 +222,37 @@ def export_checkpoint(
         tensors=len(unique),
         names=len(state),
         bytes=sum(tensor.numel() * tensor.element_size() for tensor in unique.values()),
+        adapters=tuple(adapters),
     )
+
+
+def _export_adapters(
+    info: dict[str, Any], state: dict[str, torch.Tensor], out_dir: Path, dtype: str | None, safe: bool
+) -> ExportResult:
+    """PEFT's adapter folders (export_adapters.save_adapters), described by the first one's files and the
+    tensors of all."""
+    folders = save_adapters(info, state, out_dir, DTYPES[dtype] if dtype else None, safe)
+    written = {}
+    for folder in folders.values():
+        written.update({(folder, name): tensor for name, tensor in _read_weights(folder, safe).items()})
+    first = next(iter(folders.values()))
+    return ExportResult(
+        weights=first / (ADAPTER_WEIGHTS if safe else ADAPTER_WEIGHTS_BIN),
+        config=first / ADAPTER_CONFIG,
+        tensors=len(written),
+        names=len(written),
+        bytes=sum(tensor.numel() * tensor.element_size() for tensor in written.values()),
+        adapters=tuple(folders),
+        adapter_folders=tuple(folders.values()),
+    )
+
+
+def _read_weights(folder: Path, safe: bool) -> dict[str, torch.Tensor]:
+    if safe:
+        from safetensors.torch import load_file
+
+        return load_file(str(folder / ADAPTER_WEIGHTS))
+    return torch.load(folder / ADAPTER_WEIGHTS_BIN, map_location="cpu", weights_only=True)
 
 
 def _read_model(checkpoint: Path, index: int) -> dict[str, torch.Tensor]:
