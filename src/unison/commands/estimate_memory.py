@@ -116,7 +116,10 @@ def to_json(target: str, result: MemoryEstimate) -> str:
             "devices": result.devices,
             "micro_batch_size": result.micro_batch_size,
             "seq_len": result.seq_len,
-            "model": dataclasses.asdict(result.shape),
+            "model": {
+                **dataclasses.asdict(result.shape),
+                "trainable_fraction": result.shape.trainable_fraction,
+            },
             "estimates": rows,
             "notes": list(result.notes),
         },
@@ -127,7 +130,12 @@ def to_json(target: str, result: MemoryEstimate) -> str:
 def format_table(target: str, result: MemoryEstimate) -> str:
     shape = result.shape
     lines = [
-        f"{target}: {shape.parameters:,} parameters ({shape.trainable_parameters:,} trainable)",
+        f"{target}: {shape.parameters:,} parameters, "
+        + (
+            "all trainable"
+            if shape.trainable_parameters == shape.parameters
+            else f"{shape.describe_trainable()}: gradients and optimizer state of those only"
+        ),
         f"bytes per device at {result.devices} device(s)"
         + (f", micro-batch {result.micro_batch_size} x {result.seq_len} tokens" if result.seq_len else ""),
     ]

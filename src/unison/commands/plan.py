@@ -279,7 +279,13 @@ def format_plan(target: str, plan: Plan) -> str:
         f"recommended: {plan.config.describe()}",
         f"  ParallelismConfig({config_fields})",
         "",
-        "memory per device:",
+        "memory per device"
+        + (
+            ""
+            if plan.model.shape.trainable_parameters == plan.model.shape.parameters
+            else f", {plan.model.shape.describe_trainable()}: gradients and optimizer state of those only"
+        )
+        + ":",
         _memory_header(),
         _memory_row("chosen", plan.memory),
         "",

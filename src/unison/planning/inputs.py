@@ -6,6 +6,7 @@ same inputs reaches the same layout (unison.planning.planner).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch.nn as nn
@@ -28,6 +29,8 @@ class ModelFacts:
     kv_heads: int | None
     largest_layer: str
     largest_layer_parameters: int
+    largest_layer_trainable: int | None = None  # None: all of them
+    no_tensor_parallel: str | None = None  # why TP layouts are not proposed for this model, if they are not
 
     @property
     def root_parameters(self) -> int:
@@ -38,6 +41,27 @@ class ModelFacts:
     def largest_unit(self) -> int:
         """Parameters ZeRO-3 gathers at once: one block, or the root (everything outside the blocks)."""
         return max(self.block_parameters, self.root_parameters) if self.blocks else self.shape.parameters
+
+    @property
+    def block_trainable(self) -> int:
+        """The most trainable parameters of one block (a shape written by hand: the block's share)."""
+        if self.shape.block_trainable_parameters is not None:
+            return self.shape.block_trainable_parameters
+        return math.ceil(self.block_parameters * self.shape.trainable_fraction)
+
+    @property
+    def root_trainable(self) -> int:
+        """Trainable parameters outside the block list."""
+        if self.shape.root_trainable_parameters is not None:
+            return self.shape.root_trainable_parameters
+        return max(0, self.shape.trainable_parameters - self.blocks * self.block_trainable)
+
+    @property
+    def largest_unit_trainable(self) -> int:
+        """The most trainable parameters of one ZeRO unit: its gradients, whole before the reduce-scatter."""
+        if not self.blocks:
+            return self.shape.trainable_parameters
+        return max(self.block_trainable, self.root_trainable)
 
     def describe(self) -> str:
         shape = self.shape
@@ -52,7 +76,10 @@ class ModelFacts:
             text += f", {self.heads} heads" + (
                 f" ({self.kv_heads} kv)" if self.kv_heads != self.heads else ""
             )
-        return text + f"; largest layer {self.largest_layer} ({self.largest_layer_parameters:,} parameters)"
+        text += f"; largest layer {self.largest_layer} ({self.largest_layer_parameters:,} parameters)"
+        if shape.trainable_parameters != shape.parameters:
+            text += f"; {shape.describe_trainable()}"
+        return text
 
 
 def model_facts(model: nn.Module) -> ModelFacts:
@@ -63,14 +90,63 @@ def model_facts(model: nn.Module) -> ModelFacts:
     if found is not None:
         blocks = len(found[1])
         block_parameters = sum(p.numel() for p in found[1].parameters()) // blocks
-    name, largest = "", 0
+    name, largest, largest_trainable = "", 0, 0
     for module_name, module in model.named_modules():
-        size = sum(p.numel() for p in module.parameters(recurse=False))
+        own = list(module.parameters(recurse=False))
+        size = sum(p.numel() for p in own)
         if size > largest:
             name, largest = module_name or type(module).__name__, size
+            largest_trainable = sum(p.numel() for p in own if p.requires_grad)
     heads = _find_int(model, _HEAD_NAMES)
     kv_heads = _find_int(model, _KV_HEAD_NAMES) or heads
-    return ModelFacts(shape, blocks, block_parameters, heads, kv_heads, name, largest)
+    return ModelFacts(
+        shape,
+        blocks,
+        block_parameters,
+        heads,
+        kv_heads,
+        name,
+        largest,
+        largest_trainable,
+        _no_tensor_parallel(model),
+    )
+
+
+def _no_tensor_parallel(model: nn.Module) -> str | None:
+    """Why tensor parallelism cannot split `model`, or None (propose TP): asked only of a model whose
+    layers an adapter wraps, since any other model may bring a plan of its own at run time.
+
+    PEFT's LoRA (and its other tuners) replaces each targeted nn.Linear by a wrapper holding the original
+    as `base_layer` beside the adapter's small layers, and prefixes every name (base_model.model.). The
+    tensor-parallel plan unison would apply (`parallel.tensor.tensor_parallel_plan`: a transformers
+    model's own, or the built-in one by module name) must see through that; where it refuses the model,
+    or names none of its modules (a plan whose names lack the wrapper's prefix splits nothing), TP
+    layouts are not proposed and the plan says why: ZeRO-3 and PP shard the frozen weights instead.
+    """
+    wrapped = next(
+        (
+            (name, module)
+            for name, module in model.named_modules()
+            if isinstance(getattr(module, "base_layer", None), nn.Module)
+        ),
+        None,
+    )
+    if wrapped is None:
+        return None
+    from ..parallel.tensor import tensor_parallel_plan  # loads DTensor: only for a model with adapters
+
+    name, module = wrapped
+    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    try:
+        plan = tensor_parallel_plan(model)
+    except ValueError as error:
+        return f"{name} is a {kind} wrapping its base_layer, and the tensor-parallel plan refuses it: {error}"
+    if not plan:
+        return (
+            f"{name} is a {kind} wrapping its base_layer, and the model's tensor-parallel plan names none of "
+            "its modules (it would split nothing)"
+        )
+    return None
 
 
 def _find_int(model: nn.Module, names: tuple[str, ...]) -> int | None:

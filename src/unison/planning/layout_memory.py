@@ -52,21 +52,30 @@ def layout_memory(
     parameters outside the blocks: embedding on the first stage, output layer on the last), over tp.
     Under expert parallelism the experts' share is 1/ep, sharded over the shard/ep EP groups beside it.
     ZeRO-2 and -3 also hold one unit's full gradients before the reduce-scatter, ZeRO-3 its full parameters
-    (in the compute dtype: bf16 under bf16-mixed). bf16-mixed adds autocast's bf16 copies of the share's
-    trainable weights where they are fp32 when computed (memory.autocast_copy_bytes: not under ZeRO-2/3);
+    (in the compute dtype: bf16 under bf16-mixed). Gradients and optimizer state count the share's
+    trainable parameters only (the heaviest stage's: its blocks' and half the root's), and the unit's
+    gradients its trainable ones. bf16-mixed adds autocast's bf16 copies of the share's weights that
+    backward passes through (frozen ones too), where they are fp32 when computed
+    (memory.autocast_copy_bytes: not under ZeRO-2/3);
     with activation checkpointing, of one block's only (the block being recomputed). offload=true moves
     the model state to host memory: the device keeps the gathered unit (memory.host_bytes).
     """
     precision = workload.bytes
     tp, pp, shard, stage = config.tp_size, config.pp_size, config.dp_shard_size, config.zero_stage
     shape = facts.shape
-    held = shape.parameters
+    held, held_trainable = shape.parameters, shape.trainable_parameters
     if pp > 1:
-        held = min(
-            held, math.ceil(facts.blocks / pp) * facts.block_parameters + math.ceil(facts.root_parameters / 2)
-        )
-    held = math.ceil(held / tp)
-    trainable = math.ceil(held * shape.trainable_parameters / shape.parameters) if shape.parameters else 0
+        stage_blocks = math.ceil(facts.blocks / pp)
+        heaviest = stage_blocks * facts.block_parameters + math.ceil(facts.root_parameters / 2)
+        if heaviest < held:
+            held = heaviest
+            held_trainable = min(
+                held_trainable, stage_blocks * facts.block_trainable + math.ceil(facts.root_trainable / 2)
+            )
+    held, trainable = math.ceil(held / tp), math.ceil(held_trainable / tp)
+    # what backward passes through (autocast keeps those weights' copies): all but the frozen ones before
+    # the first trainable parameter, this device's share of them
+    reached = -(-held * shape.reached_parameters // shape.parameters) if shape.parameters else 0
     strategy = f"zero{stage}" if stage else "ddp"
     if config.offload:
         strategy += "_offload"
@@ -85,26 +94,27 @@ def layout_memory(
         )
         params, grads, optim = (a + b for a, b in zip((params, grads, optim), expert_state))
     if stage in (2, 3) and shard > 1:
+        unit, unit_trainable = _gathered_unit(facts, ep)
         extra_params, extra_grads = memory.zero_gathered_unit_bytes(
-            strategy, precision, math.ceil(_gathered_unit(facts, ep) / tp)
+            strategy, precision, math.ceil(unit / tp), math.ceil(unit_trainable / tp)
         )
         params, grads = params + extra_params, grads + extra_grads
     cast = (
-        min(trainable, math.ceil(facts.block_parameters / tp))
-        if workload.activation_checkpointing
-        else trainable
+        min(reached, math.ceil(facts.block_parameters / tp)) if workload.activation_checkpointing else reached
     )
     params += memory.autocast_copy_bytes(precision, cast, strategy)
     return PlanMemory(params, grads, optim, activations(facts, workload, tp), device_memory)
 
 
-def _gathered_unit(facts: ModelFacts, ep: int) -> int:
-    """Parameters ZeRO-3 gathers at once: a block with, under expert parallelism, its experts' 1/ep."""
+def _gathered_unit(facts: ModelFacts, ep: int) -> tuple[int, int]:
+    """(parameters ZeRO-3 gathers at once: a block with, under expert parallelism, its experts' 1/ep; the
+    most trainable parameters of such a unit, whose gradients are whole before the reduce-scatter)."""
     shape = facts.shape
     if ep == 1 or not shape.expert_layers or not facts.blocks:
-        return facts.largest_unit
+        return facts.largest_unit, facts.largest_unit_trainable
     in_block = shape.expert_parameters // shape.expert_layers
-    return max(facts.block_parameters - in_block + in_block // ep, facts.root_parameters)
+    unit = max(facts.block_parameters - in_block + in_block // ep, facts.root_parameters)
+    return unit, min(unit, facts.largest_unit_trainable)
 
 
 def activations(facts: ModelFacts, workload: Workload, tp: int) -> int | None:

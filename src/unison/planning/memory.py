@@ -18,12 +18,19 @@ computes with: p, except 2 under bf16-mixed (its MixedPrecisionPolicy gathers bf
     ZeRO-3 + offload     0 on the device; (p + g + o)Ψ/N in host memory (FSDP2's CPUOffloadPolicy)
     TP, PP of degree N   ~(p + g + o)Ψ/N   (an estimate: layer norms, biases and uneven stages differ)
 
-Gradients and Adam state count only trainable parameters; Ψ/N is rounded up, as sharding pads.
+Gradients and Adam state count only trainable parameters (requires_grad=True; Ψ_t in place of Ψ in g
+and o above, and in the largest FSDP2 unit's gradients), the frozen ones count as parameters and shard
+as they do: fine-tuning a 70B model with LoRA keeps its 70B weights and Adam state for the adapters
+only. Ψ/N is rounded up, as sharding pads.
 
 Autocast's copies (bf16-mixed, where the weights it computes with are fp32: single device, DDP, ZeRO-1,
 TP and PP without data-parallel sharding): every matmul casts its fp32 weight to bf16 and keeps that copy
-for backward, so from the end of forward until backward reaches it a device holds 2 bytes per trainable
-parameter it computes with (Ψ, or Ψ/N under TP and PP). Counted with the parameters. Under ZeRO-2/3
+for backward, so from the end of forward until backward reaches it a device holds 2 bytes per parameter
+it computes with that backward passes through (Ψ, or Ψ/N under TP and PP). A frozen weight counts too:
+its copy is kept to compute its input's gradient (measured with torch's saved tensors: a tiny Llama with
+LoRA on q/k/v/o keeps copies of every weight but its first block's q, k and v, frozen weights before the
+first trainable one keep none), so ModelShape.reached_parameters counts the parameters from the first
+trainable one on, in registration order. Counted with the parameters. Under ZeRO-2/3
 FSDP2 already gathers bf16 weights, which autocast uses as they are: no copies. With activation
 checkpointing only the recomputed block's copies exist at a time.
 
@@ -86,6 +93,35 @@ class ModelShape:
     experts: int = 0  # experts per MoE layer
     expert_layers: int = 0  # MoE layers (experts modules)
     experts_per_token: int = 0  # top-k: experts each token is computed by
+    # fine-tuning with frozen weights (None: as if every parameter trained, for shapes written by hand)
+    backward_parameters: int | None = None  # from the first trainable one on: what backward passes through
+    block_trainable_parameters: int | None = None  # the most trainable parameters of one block
+    root_trainable_parameters: int | None = None  # trainable parameters outside the blocks
+
+    @property
+    def reached_parameters(self) -> int:
+        """Parameters backward passes through (`backward_parameters`; all when not given)."""
+        return self.parameters if self.backward_parameters is None else self.backward_parameters
+
+    @property
+    def trainable_fraction(self) -> float:
+        return self.trainable_parameters / self.parameters if self.parameters else 0.0
+
+    @property
+    def largest_unit_trainable(self) -> int:
+        """The most trainable parameters of one FSDP2 unit (a block, or the root): the gradients a unit holds
+        whole before its reduce-scatter. Not given: the largest unit's share of the trainable parameters."""
+        if self.block_trainable_parameters is None or self.root_trainable_parameters is None:
+            unit = self.largest_unit or self.parameters
+            return math.ceil(unit * self.trainable_fraction)
+        return max(self.block_trainable_parameters, self.root_trainable_parameters)
+
+    def describe_trainable(self) -> str:
+        """'trainable 0.09% (65.5M of 70.6B)': the share of the parameters with requires_grad=True."""
+        return (
+            f"trainable {_percent(self.trainable_fraction)} ({_count(self.trainable_parameters)} of "
+            f"{_count(self.parameters)})"
+        )
 
     @property
     def active_parameters(self) -> int:
@@ -97,6 +133,21 @@ class ModelShape:
             - self.expert_parameters
             + self.expert_parameters * self.experts_per_token // self.experts
         )
+
+
+def _count(number: int) -> str:
+    """65_536_000 -> '65.5M', 70_553_706_496 -> '70.6B', 4_096 -> '4,096'."""
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
+        if number >= size:
+            return f"{number / size:.1f}{unit}"
+    return f"{number:,}"
+
+
+def _percent(fraction: float) -> str:
+    """Two significant figures below 1% (0.09%), whole or one decimal above (12.5%, 100%)."""
+    if fraction in (0.0, 1.0) or fraction >= 0.1:
+        return f"{fraction:.0%}" if fraction in (0.0, 1.0) else f"{fraction:.1%}"
+    return f"{fraction * 100:.2g}%"
 
 
 @dataclass(frozen=True)
@@ -231,14 +282,19 @@ def _dense_shape(model: nn.Module) -> ModelShape:
     parameters = list(model.parameters())
     total = sum(p.numel() for p in parameters)
     trainable = sum(p.numel() for p in parameters if p.requires_grad)
+    first = next((i for i, p in enumerate(parameters) if p.requires_grad), len(parameters))
+    frozen = {"backward_parameters": sum(p.numel() for p in parameters[first:])}
     embeddings = [m for m in model.modules() if isinstance(m, nn.Embedding)]
     vocab = max((m.num_embeddings for m in embeddings), default=None)
     found = find_blocks(model)
     if found is None:
-        return ModelShape(total, trainable, vocab=vocab)
+        return ModelShape(total, trainable, vocab=vocab, **frozen)
     name, blocks = found
     block_parameters = sum(p.numel() for p in blocks.parameters()) // len(blocks)
     unit = max(block_parameters, total - block_parameters * len(blocks))  # a block, or the root
+    per_block = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks]
+    frozen["block_trainable_parameters"] = max(per_block)
+    frozen["root_trainable_parameters"] = trainable - sum(per_block)
     block = blocks[0]
     has_attention = any(
         isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
@@ -246,10 +302,12 @@ def _dense_shape(model: nn.Module) -> ModelShape:
     )
     linears = [m for m in block.modules() if isinstance(m, nn.Linear)]
     if not has_attention or not linears:
-        return ModelShape(total, trainable, blocks=name, vocab=vocab, largest_unit=unit)
+        return ModelShape(total, trainable, blocks=name, vocab=vocab, largest_unit=unit, **frozen)
     outputs = sum(m.out_features for m in linears)
     hidden = linears[0].in_features
-    return ModelShape(total, trainable, name, len(blocks), hidden, vocab, unit, outputs, block_parameters)
+    return ModelShape(
+        total, trainable, name, len(blocks), hidden, vocab, unit, outputs, block_parameters, **frozen
+    )
 
 
 def model_state_bytes(
@@ -281,18 +339,23 @@ def model_state_bytes(
     raise ValueError(f"unknown strategy {strategy!r}; expected one of {[s for s, _, _ in STRATEGIES]}")
 
 
-def zero_gathered_unit_bytes(strategy: str, precision: Precision, unit_parameters: int) -> tuple[int, int]:
+def zero_gathered_unit_bytes(
+    strategy: str, precision: Precision, unit_parameters: int, unit_trainable: int | None = None
+) -> tuple[int, int]:
     """(parameter, gradient) bytes a device holds beyond its shards under unison's FSDP2 ZeRO-2/3.
 
     FSDP2 shards per unit (each block, then the root: everything outside the blocks) and a unit's
     gradients are whole until its reduce-scatter; under ZeRO-3 its parameters are whole while it
     computes too. So the largest unit adds that much to the ZeRO paper's per-device formulas. Both
-    `unison estimate-memory` and `unison plan` add it, from here.
+    `unison estimate-memory` and `unison plan` add it, from here. Only trainable parameters have
+    gradients: `unit_trainable` is the most any unit has (default: all `unit_parameters`), which under
+    LoRA is a block's adapters while the largest unit by parameters is the frozen root.
     """
+    grads = (unit_parameters if unit_trainable is None else unit_trainable) * precision.grad_bytes
     if strategy in ("zero2", "zero2_offload"):
-        return 0, unit_parameters * precision.grad_bytes
+        return 0, grads
     if strategy in ("zero3", "zero3_offload"):
-        return unit_parameters * precision.gathered_bytes, unit_parameters * precision.grad_bytes
+        return unit_parameters * precision.gathered_bytes, grads
     return 0, 0
 
 
@@ -303,13 +366,15 @@ def host_bytes(strategy: str, precision: Precision, parameters: int, trainable: 
     return sum(model_state_bytes("zero3", precision, parameters, trainable, devices))
 
 
-def autocast_copy_bytes(precision: Precision, computed_trainable: int, strategy: str = "ddp") -> int:
-    """Autocast's 16-bit weight copies saved for backward (module docstring), for the trainable
-    parameters a device computes with: all of them under DDP and ZeRO-1, its share under TP and PP, none
-    under ZeRO-2/3 (FSDP2 gathers the weights in the compute dtype already)."""
+def autocast_copy_bytes(precision: Precision, computed_reached: int, strategy: str = "ddp") -> int:
+    """Autocast's 16-bit weight copies saved for backward (module docstring), for the parameters a device
+    computes with that backward passes through (ModelShape.reached_parameters: all of them in full
+    training, frozen ones too under LoRA, since the input gradient of a frozen matmul needs its weight):
+    all of them under DDP and ZeRO-1, its share under TP and PP, none under ZeRO-2/3 (FSDP2 gathers the
+    weights in the compute dtype already)."""
     if strategy.startswith(("zero2", "zero3")):
         return 0
-    return precision.autocast_copy_bytes * computed_trainable
+    return precision.autocast_copy_bytes * computed_reached
 
 
 def activation_bytes(

@@ -53,12 +53,13 @@ def estimate(
         "reduce-scatter, and under ZeRO-3 its parameters while it computes (as `unison plan` counts).",
         "bf16-mixed is mixed_precision='bf16' as unison runs it: fp32 master parameters, gradients and Adam "
         "state, bf16 compute; its parameter column adds autocast's bf16 weight copies kept for backward "
-        "(2 bytes per trainable parameter computed on the device) except under ZeRO-2/3, whose FSDP2 "
-        "gathers bf16 weights (ZeRO-2 holds them whole beside its fp32 shards).",
+        "(2 bytes per parameter computed on the device that backward passes through) except under "
+        "ZeRO-2/3, whose FSDP2 gathers bf16 weights (ZeRO-2 holds them whole beside its fp32 shards).",
         "ZeRO-3 + offload keeps parameters, gradients and Adam state in host memory "
         f"({format_bytes(offloaded)} per process in fp32); the device holds the unit being computed and "
         "the activations.",
     ]
+    notes += _frozen_notes(shape)
     ep = math.gcd(devices, shape.experts) if shape.experts > 1 else 1
     if shape.experts:
         notes.append(
@@ -102,10 +103,12 @@ def estimate(
             )
             if devices > 1:
                 unit = shape.largest_unit or shape.parameters
-                extra_p, extra_g = zero_gathered_unit_bytes(strategy, precision, unit)
+                extra_p, extra_g = zero_gathered_unit_bytes(
+                    strategy, precision, unit, shape.largest_unit_trainable
+                )
                 p, g = p + extra_p, g + extra_g
             split = devices if strategy in ("tp", "pp") else 1
-            computed = math.ceil(shape.trainable_parameters / split)
+            computed = math.ceil(shape.reached_parameters / split)
             p += autocast_copy_bytes(
                 precision, cast_parameters(shape, activation_checkpointing, computed, split), strategy
             )
@@ -141,7 +144,27 @@ def _expert_parallel_row(
     in_block = shape.expert_parameters // max(1, shape.expert_layers)
     block = (shape.block_parameters or 0) - in_block + in_block // ep
     unit = max(block, shape.parameters - (shape.block_parameters or 0) * (shape.layers or 0))
-    extra_p, extra_g = zero_gathered_unit_bytes("zero3", precision, unit)
+    extra_p, extra_g = zero_gathered_unit_bytes(
+        "zero3", precision, unit, min(unit, shape.largest_unit_trainable)
+    )
     return DeviceMemory(
         precision.name, f"ep{ep}_zero3", False, p + ep_p + extra_p, g + ep_g + extra_g, o + ep_o, activations
     )
+
+
+def _frozen_notes(shape: ModelShape) -> list[str]:
+    """What the table says of a model trained in part (frozen weights, adapters) or not at all."""
+    if shape.trainable_parameters == shape.parameters:
+        return []
+    if shape.trainable_parameters == 0:
+        return [
+            "no trainable parameters: every parameter has requires_grad=False, so there is nothing to "
+            "train (an optimizer refuses an empty parameter list) and the gradient and optimizer columns "
+            "are 0; unfreeze some or add adapters (e.g. peft's get_peft_model) in the factory."
+        ]
+    return [
+        f"{shape.describe_trainable()}: gradients and Adam state only for the parameters with "
+        "requires_grad=True (sharded as the strategy shards them); the frozen ones count as parameters. "
+        "Activations are counted as for training every parameter (an over-estimate: a frozen weight's "
+        "input need not be kept)."
+    ]

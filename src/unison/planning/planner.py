@@ -92,7 +92,12 @@ class Plan:
             "layout": self.config.describe(),
             "hardware": dataclasses.asdict(self.hardware),
             "workload": dataclasses.asdict(self.workload),
-            "model": {**dataclasses.asdict(self.model.shape), "heads": self.model.heads},
+            "model": {
+                **dataclasses.asdict(self.model.shape),
+                "trainable_fraction": self.model.shape.trainable_fraction,
+                "heads": self.model.heads,
+                "no_tensor_parallel": self.model.no_tensor_parallel,
+            },
         }
 
     def to_json(self) -> str:
@@ -144,6 +149,13 @@ def plan_for(
     efficiency: float = DEFAULT_EFFICIENCY,
 ) -> Plan:
     """plan_parallelism for a model already reduced to its ModelFacts."""
+    if facts.shape.trainable_parameters == 0 and facts.shape.parameters:
+        raise PlanError(
+            f"nothing to train: every one of the model's {facts.shape.parameters:,} parameters has "
+            "requires_grad=False, so an optimizer would get an empty parameter list. Plan the model as it "
+            "will be trained: unfreeze the layers to train, or add adapters (e.g. peft.get_peft_model(model, "
+            "LoraConfig(...))) in the factory."
+        )
     if workload.global_batch_size is not None and facts.shape.layers is not None:
         return _plan_fastest(facts, hardware, workload, plan_speed.device_spec(hardware, device), efficiency)
     chosen, ranked = _choose(facts, hardware, workload)
@@ -190,7 +202,7 @@ def _plan_fastest(
             if sized is not None:
                 cost = step_cost(facts.shape, sized, spec, hw.devices_per_node, batch, efficiency)
                 need = layout_memory(facts, hw.device_memory, run, sized)
-                priced.append(Candidate(sized, need, _why(sized), cost))
+                priced.append(Candidate(sized, need, _why(sized, _frozen(facts)), cost))
         if priced:
             per_layout.append(priced)
     if not per_layout:
@@ -248,7 +260,9 @@ def _as_run(config: ParallelismConfig, workload: Workload) -> ParallelismConfig:
 def _choose(facts: ModelFacts, hw: Hardware, workload: Workload) -> tuple[int | None, list[Candidate]]:
     """(index of the first comfortable fit, else of the first fit, else None; the priced ranked layouts)."""
     ranked = [
-        Candidate(config, layout_memory(facts, hw.device_memory, workload, config), _why(config))
+        Candidate(
+            config, layout_memory(facts, hw.device_memory, workload, config), _why(config, _frozen(facts))
+        )
         for config in _ranked_layouts(facts, hw, workload)
     ]
     for limit in (COMFORTABLE_FRACTION, USABLE_FRACTION):
@@ -317,7 +331,7 @@ def _huge(facts: ModelFacts, hw: Hardware, workload: Workload) -> bool:
 
 def _tp_degrees(facts: ModelFacts, per_node: int) -> list[int]:
     """TP degrees > 1 that divide a node's devices and the (kv) heads; transformers only."""
-    if facts.shape.layers is None:
+    if facts.shape.layers is None or facts.no_tensor_parallel:
         return []
     return [
         t
@@ -374,8 +388,14 @@ def _config(hw: Hardware, tp: int, pp: int, data: str) -> ParallelismConfig | No
     return ParallelismConfig(**options).validate(hw.devices)
 
 
-def _why(config: ParallelismConfig) -> str:
-    """The guide's reason for a layout's place in the order, one clause per dimension."""
+def _frozen(facts: ModelFacts) -> bool:
+    """Whether some of the model's parameters are frozen (fine-tuning: LoRA, frozen layers)."""
+    return facts.shape.trainable_parameters < facts.shape.parameters
+
+
+def _why(config: ParallelismConfig, frozen: bool = False) -> str:
+    """The guide's reason for a layout's place in the order, one clause per dimension; `frozen`: some
+    parameters train no gradients, so ZeRO's gathers of every weight outweigh the gradients' traffic."""
     parts = []
     if config.tp_size > 1:
         parts.append(
@@ -410,8 +430,9 @@ def _why(config: ParallelismConfig) -> str:
             "would reduce-scatter or gather for every micro-batch)"
         )
     elif stage == 2:
+        traffic = "every weight gathered, only trainable gradients reduced" if frozen else "DDP's traffic"
         parts.append(
-            f"ZeRO-2 over {shard}: gradients and optimizer state sharded, DDP's traffic, no model change"
+            f"ZeRO-2 over {shard}: gradients and optimizer state sharded, {traffic}, no model change"
         )
     elif stage == 3 and config.offload:
         parts.append(
@@ -420,9 +441,14 @@ def _why(config: ParallelismConfig) -> str:
             "proposed only when nothing else fits"
         )
     elif stage == 3:
+        traffic = (
+            "every weight, frozen or not, while only the trainable ones' gradients are reduced"
+            if frozen
+            else "1.5x DDP's traffic"
+        )
         parts.append(
             f"ZeRO-3/FSDP over {shard}: parameters sharded too and gathered block by block in forward and "
-            "backward (1.5x DDP's traffic), no model change"
+            f"backward ({traffic}), no model change"
         )
     elif replicas > 1:
         parts.append(f"DDP over {replicas}: one gradient all-reduce per step, no model change")
@@ -449,10 +475,13 @@ def _reasons(
     precision = workload.bytes
     one_device = ParallelismConfig(dp_replicate_size=1, dp_shard_size=1, tp_size=1, pp_size=1)
     single = layout_memory(facts, hw.device_memory, workload, one_device)
+    largest_trainable = (
+        facts.largest_layer_parameters
+        if facts.largest_layer_trainable is None
+        else facts.largest_layer_trainable
+    )
     largest_state = sum(
-        memory.model_state_bytes(
-            "single", precision, facts.largest_layer_parameters, facts.largest_layer_parameters, 1
-        )
+        memory.model_state_bytes("single", precision, facts.largest_layer_parameters, largest_trainable, 1)
     )
     usable = USABLE_FRACTION * hw.device_memory
     reasons = [f"model: {facts.describe()}"]
@@ -479,6 +508,14 @@ def _reasons(
             f"{memory.format_bytes(single.total)} ({single.fraction:.0%} of "
             f"{memory.format_bytes(hw.device_memory)}), so the model state is sharded or split"
         )
+    if facts.shape.trainable_parameters != facts.shape.parameters:
+        reasons.append(
+            f"fine-tuning, {facts.shape.describe_trainable()}: gradients and optimizer state are counted "
+            "(sharded, and their gradients communicated) for the parameters with requires_grad=True only, "
+            "the frozen weights as parameters (sharded by ZeRO-3, split by PP and TP)"
+        )
+    if workload.tensor_parallel and facts.no_tensor_parallel and single.fraction > COMFORTABLE_FRACTION:
+        reasons.append(f"TP not proposed: {facts.no_tensor_parallel}")
     if single.fraction > COMFORTABLE_FRACTION:
         reasons.append(_link_reason(facts, hw, workload))
     limit = (
