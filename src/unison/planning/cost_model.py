@@ -7,7 +7,10 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
 (docs/planner.md compares them with published runs).
 
 - compute: the step's FLOPs, 6·N per token plus attention's 12·L·h·s (PaLM), x 4/3 with full
-  activation recomputation (the forward runs twice), spread evenly over the devices and run at
+  activation recomputation (the forward runs twice); with frozen weights (LoRA, frozen layers), 2·N
+  forward + 2·N for input gradients where backward passes through + 2 per trainable parameter for the
+  weight gradients (`parameter_flops`: 4.0 and a little for LoRA on a 70B Llama), the recomputed forward
+  only where backward goes, and MFU counts those FLOPs; spread evenly over the devices and run at
   `efficiency` x h/(h + 640) x the device's dense bf16 peak. `efficiency` is the assumption that matters
   most: the share of peak a wide model's step reaches once nothing waits (0.6 by default); the factor
   h/(h + 640) is what a narrow model loses to the memory-bound work beside its matrix multiplications
@@ -25,7 +28,9 @@ predictions to rank layouts and to say roughly how fast a run will go, not measu
 - mixtures of experts: 6 x the active parameters per token (each token's k experts, not all of them);
   under expert parallelism each MoE layer's two all-to-alls in forward and backward, on the critical
   path, and ZeRO's traffic for the experts over the EP groups beside each other only.
-- communication: each collective the layout issues in one step, its bytes and the link it crosses,
+- communication: each collective the layout issues in one step, its bytes and the link it crosses
+  (gradients: of the trainable parameters only, as DDP's buckets and FSDP2's reduce-scatters hold them;
+  ZeRO-3's gathers: of every parameter, frozen or not),
   timed as NCCL's ring (bandwidth 2(n-1)/n of the buffer for an all-reduce, (n-1)/n for a
   reduce-scatter or all-gather, plus one latency per hop) or tree (2·log2(n) latencies) algorithm,
   whichever is faster. What overlaps with compute is subtracted: DDP's bucketed gradient all-reduce
@@ -192,11 +197,14 @@ def step_cost(
     devices = tp * pp * cp * dp
     micro_steps = batch.micro_steps(dp)
     tokens = batch.global_batch * batch.seq_len
-    # a mixture of experts computes each token with its k experts only (shape.active_parameters)
-    model_flops = (
-        6.0 * shape.active_parameters + 12.0 * shape.layers * shape.hidden * batch.seq_len
-    ) * tokens
-    hardware_flops = model_flops * (4 / 3 if batch.recompute else 1.0)
+    # a mixture of experts computes each token with its k experts only (shape.active_parameters); frozen
+    # weights compute no weight gradients, nor input gradients before the first trainable one
+    per_parameter = parameter_flops(shape)
+    attention = 4.0 * shape.layers * shape.hidden * batch.seq_len  # forward; backward twice that
+    reached = shape.reached_parameters / shape.parameters if shape.parameters else 1.0
+    model_flops = (per_parameter * shape.active_parameters + attention * (1 + 2 * reached)) * tokens
+    forward_flops = (2.0 * shape.active_parameters + attention) * tokens
+    hardware_flops = model_flops + (forward_flops * reached if batch.recompute else 0.0)
     rows = batch.micro_batch_size * batch.seq_len / cp  # of each matrix multiplication, per micro-batch
     rate = device.peak_flops * efficiency * shape.hidden / (shape.hidden + HIDDEN_HALF_EFFICIENCY)
     rate *= rows / (rows + TOKENS_HALF_EFFICIENCY)
@@ -207,7 +215,7 @@ def step_cost(
         # a pipeline runs at its slowest stage's pace: whole blocks per stage (some stages hold one more
         # when p does not divide L) and the output layer on the last one
         per_device = stages_per_device(config)
-        head = 6.0 * (shape.vocab or 0) * shape.hidden
+        head = per_parameter * (shape.vocab or 0) * shape.hidden
         block = (model_flops / tokens - head) / shape.layers
         block_parameters = shape.block_parameters or 12 * shape.hidden**2
         ends = (shape.vocab or 0) * shape.hidden / block_parameters  # embedding, output layer: in blocks
@@ -217,7 +225,7 @@ def step_cost(
         imbalance = max(0.0, slowest / rate - compute)
         bubble = (compute + imbalance + overhead) * (pp - 1) / (per_device * micro_steps)
     # the share of each micro-step after its forward: where a gradient all-reduce can hide
-    backward = (compute + imbalance) * (3 / 4 if batch.recompute else 2 / 3)
+    backward = (compute + imbalance) * (1 - forward_flops / hardware_flops)  # 2/3, 3/4 recomputing
 
     def link(stride: int, size: int) -> _Link:
         """The link a group of `size` ranks `stride` apart crosses: inter-node once it spans nodes."""
@@ -232,9 +240,10 @@ def step_cost(
     ep = config.ep_size or 1
     experts = shape.expert_parameters if ep > 1 else 0
     if dp > 1:
+        dense = stage_parameters - experts
         _data_parallel(
             config,
-            stage_parameters - experts,
+            (dense, dense * shape.trainable_fraction),  # gathered: all; gradients: the trainable ones
             blocks,
             micro_steps,
             backward,
@@ -260,10 +269,10 @@ def step_cost(
         slots = stages_per_device(config) * micro_steps + pp - 1  # interleaved: v crossings per micro-batch
         seconds = 2 * slots * (activation / tp / hop.bandwidth + hop.latency)
         communication["pp send/recv"] = exposed["pp send/recv"] = seconds
-    if config.offload:
-        shard = shape.parameters / max(1, shards)
-        seconds = shard * (ACTIVATION_BYTES + GRADIENT_BYTES) / (PCIE_BANDWIDTH * LINK_EFFICIENCY)
-        seconds += shard / CPU_ADAM_PARAMETERS_PER_SECOND
+    if config.offload:  # every parameter in, the trainable ones' gradients out and stepped on the host
+        shard, trainable = shape.parameters / max(1, shards), shape.trainable_parameters / max(1, shards)
+        copies = shard * ACTIVATION_BYTES + trainable * GRADIENT_BYTES
+        seconds = copies / (PCIE_BANDWIDTH * LINK_EFFICIENCY) + trainable / CPU_ADAM_PARAMETERS_PER_SECOND
         communication["offload copies and host step"] = exposed["offload copies and host step"] = seconds
     return StepCost(
         compute,
@@ -280,6 +289,16 @@ def step_cost(
         batch.micro_batch_size,
         micro_steps,
     )
+
+
+def parameter_flops(shape: ModelShape) -> float:
+    """Training FLOPs per parameter and token: 2 forward, 2 for its input's gradient where backward passes
+    through it, 2 for its own gradient where it trains. 6 when every parameter trains (Kaplan et al. 2020's
+    6·N); 4 and a little under LoRA, whose frozen weights compute no weight gradients (as share of the
+    parameters: ModelShape.reached_parameters, trainable_parameters)."""
+    if not shape.parameters:
+        return 6.0
+    return 2.0 + 2.0 * shape.reached_parameters / shape.parameters + 2.0 * shape.trainable_fraction
 
 
 def _kernels_per_micro_step(layers: int, config: ParallelismConfig) -> int:
@@ -303,7 +322,7 @@ def stages_per_device(config: ParallelismConfig) -> int:
 
 def _data_parallel(
     config: ParallelismConfig,
-    parameters: float,
+    parameters: tuple[float, float],
     blocks: int,
     micro_steps: int,
     backward: float,
@@ -313,10 +332,13 @@ def _data_parallel(
     communication: dict[str, float],
     exposed: dict[str, float],
 ) -> None:
-    """The gradient (and, sharded, parameter) traffic of the data-parallel dimensions, added to the dicts."""
+    """The gradient (and, sharded, parameter) traffic of the data-parallel dimensions, added to the dicts:
+    `parameters` = (held, trainable): every held parameter is gathered, only trainable ones send gradients
+    (DDP buckets and FSDP2 reduce-scatters the parameters with requires_grad=True only)."""
     inner, shards, replicas = strides
-    gradients = parameters * GRADIENT_BYTES
-    weights = parameters * ACTIVATION_BYTES
+    held, trainable = parameters
+    gradients = trainable * GRADIENT_BYTES
+    weights = held * ACTIVATION_BYTES
     stage = config.zero_stage if shards > 1 else None
     if stage in (None, 1):
         # DDP and ZeRO-1: one all-reduce per step (ZeRO-1's reduce-scatter + all-gather move the same
@@ -374,7 +396,8 @@ def _expert_parallel(
     gather = (
         micro_steps * layers * gathers * _all_gather(held * ACTIVATION_BYTES / layers, groups, expert_link)
     )
-    scatter = micro_steps * layers * _reduce_scatter(held * GRADIENT_BYTES / layers, groups, expert_link)
+    trained = held * shape.trainable_fraction
+    scatter = micro_steps * layers * _reduce_scatter(trained * GRADIENT_BYTES / layers, groups, expert_link)
     communication["ep experts all-gather"] = gather
     communication["ep experts reduce-scatter"] = scatter
 
