@@ -276,13 +276,18 @@ def test_tp_is_proposed_for_an_adapter_model_only_where_its_plan_splits_it(monke
 
     monkeypatch.setattr(tensor, "tensor_parallel_plan", refuse)
     why = planner.model_facts(model).no_tensor_parallel
-    assert why.startswith(
-        "base_model.model.model.layers.0.self_attn.q_proj is a peft.tuners.lora.layer.Linear"
+    assert why == (
+        "adapter layers (peft.tuners.lora.layer.Linear at base_model.model.model.layers.0.self_attn.q_proj, "
+        "...): no plan for this"
     )
-    assert why.endswith("the tensor-parallel plan refuses it: no plan for this")
     assert planner.model_facts(tiny_llama(False)).no_tensor_parallel is None  # no adapters: not asked
     monkeypatch.setattr(tensor, "tensor_parallel_plan", lambda model, *args, **kwargs: {})
     assert "names none of its modules" in planner.model_facts(model).no_tensor_parallel
+    monkeypatch.undo()
+    with torch.device("meta"):  # DoRA: a magnitude per output row, which the TP plan does not split
+        base = transformers.LlamaForCausalLM(transformers.LlamaConfig(**TINY))
+        dora = peft.get_peft_model(base, peft.LoraConfig(r=4, target_modules=TARGETS, use_dora=True))
+    assert "carries a LoRA variant (DoRA" in planner.model_facts(dora).no_tensor_parallel
 
     lora = facts_70b(LORA_70B)
     blocked = dataclasses.replace(lora, no_tensor_parallel="a reason")

@@ -120,7 +120,8 @@ def _no_tensor_parallel(model: nn.Module) -> str | None:
     as `base_layer` beside the adapter's small layers, and prefixes every name (base_model.model.). The
     tensor-parallel plan unison would apply (`parallel.tensor.tensor_parallel_plan`: a transformers
     model's own, or the built-in one by module name) must see through that; where it refuses the model,
-    or names none of its modules (a plan whose names lack the wrapper's prefix splits nothing), TP
+    or names none of its modules (a plan whose names lack the wrapper's prefix splits nothing), or
+    `parallel.tensor_adapters` cannot split an adapter it names (DoRA, IA3, prompt learning, ...), TP
     layouts are not proposed and the plan says why: ZeRO-3 and PP shard the frozen weights instead.
     """
     wrapped = next(
@@ -134,18 +135,17 @@ def _no_tensor_parallel(model: nn.Module) -> str | None:
     if wrapped is None:
         return None
     from ..parallel.tensor import tensor_parallel_plan  # loads DTensor: only for a model with adapters
+    from ..parallel.tensor_adapters import through_adapters
 
     name, module = wrapped
-    kind = f"{type(module).__module__}.{type(module).__qualname__}"
+    kind = f"adapter layers ({type(module).__module__}.{type(module).__qualname__} at {name}, ...)"
     try:
         plan = tensor_parallel_plan(model)
+        through_adapters(model, plan)  # refuses the adapters it cannot split (DoRA, IA3, ...) by name
     except ValueError as error:
-        return f"{name} is a {kind} wrapping its base_layer, and the tensor-parallel plan refuses it: {error}"
+        return f"{kind}: {error}"
     if not plan:
-        return (
-            f"{name} is a {kind} wrapping its base_layer, and the model's tensor-parallel plan names none of "
-            "its modules (it would split nothing)"
-        )
+        return f"{kind}: the model's tensor-parallel plan names none of its modules (it would split nothing)"
     return None
 
 
