@@ -3,6 +3,7 @@
     python examples/gpt/train.py --max-steps 100                                 # first, a GPT to start from
     unison launch --nproc-per-node 2 --cpu examples/finetune/train.py            # then fine-tune it
     unison launch --nproc-per-node 2 --cpu examples/finetune/train.py --normalize per-batch
+    unison launch --nproc-per-node 2 --cpu --parallelism tp_size=2 examples/finetune/train.py --lora 8
 
 The model reads Python source it has not seen, but only the characters inside comments and
 docstrings are targets (the others are labelled -100), so the number of counted tokens varies a lot
@@ -12,7 +13,9 @@ gradients by the count over all processes and micro-steps, so each token weighs 
 landed, and the run ends with the same weights (to rounding) on any number of processes. Every log
 line prints that loss (summed losses / global count) beside the usual recipe's number (each
 micro-batch's own mean, then averaged over micro-steps and processes); `--normalize per-batch` trains
-the usual way, to compare.
+the usual way, to compare. `--lora R` freezes the GPT and trains PEFT's LoRA adapters of rank R on
+every projection instead (pip install 'unison[peft]'), under any layout `unison launch --parallelism`
+names (docs/fine-tuning.md).
 """
 
 from __future__ import annotations
@@ -81,6 +84,14 @@ def parse_args() -> argparse.Namespace:
     arg("--seed", type=int, default=1337, help="seeds the shuffle")
     arg("--log-interval", type=positive, default=10, help="print the training losses every N steps")
     arg("--project-dir", default="runs/finetune", help="the end state is saved to PROJECT_DIR/checkpoints/")
+    arg(
+        "--lora",
+        type=positive,
+        default=None,
+        metavar="R",
+        help="freeze the GPT and train LoRA adapters of rank R on its projections (PEFT; default: every "
+        "weight trains)",
+    )
     return parser.parse_args()
 
 
@@ -134,6 +145,21 @@ def load_gpt(checkpoint: Path, n_head: int) -> GPT:
     return model
 
 
+LORA_TARGETS = ["c_attn", "c_proj", "c_fc"]  # every projection of a block: attention's and the MLP's
+
+
+def with_lora(model: GPT, rank: int) -> torch.nn.Module:
+    """The GPT frozen, with PEFT's LoRA adapters of `rank` beside its projections (lora_alpha = 2 x rank,
+    the usual choice; lora_B starts at zero, so the first forward is the GPT's)."""
+    try:
+        import peft
+    except ImportError as error:
+        message = f"--lora needs PEFT, which is not installed: pip install 'unison[peft]' ({error})"
+        raise SystemExit(message) from None
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, lora_dropout=0.0)
+    return peft.get_peft_model(model, config)
+
+
 def masked_losses(model, x: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The cross-entropy summed over the counted targets of a batch, and their number."""
     logits, _ = model(x)
@@ -166,6 +192,10 @@ def main() -> None:
     checkpoint = find_checkpoint(args.init_from)
     model = load_gpt(checkpoint, args.n_head)
     config, n_params = model.config, model.num_parameters()
+    if args.lora:
+        torch.manual_seed(args.seed)  # lora_A's random start: the same on any number of processes
+        model = with_lora(model, args.lora)
+    trainable = [p for p in model.parameters() if p.requires_grad]
 
     # the GPT's vocabulary is the sorted set of characters of its corpus: rebuilt from the same corpus
     tokenizer = CharTokenizer(load_corpus(args.base_data))
@@ -192,10 +222,12 @@ def main() -> None:
         )
     val_dl = DataLoader(val_ds, batch_size=64)  # forward only: larger batches cost no more memory here
 
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(trainable, lr=args.lr, betas=(0.9, 0.95), weight_decay=0.0)
     model, optimizer, train_dl, val_dl = accelerator.prepare(model, optimizer, train_dl, val_dl)
     accelerator.print(
-        f"{accelerator.num_processes} process(es) | from {checkpoint} ({n_params:,} parameters)"
+        f"{accelerator.num_processes} process(es) | from {checkpoint} ({n_params:,} parameters"
+        + (f"; LoRA r={args.lora}: {sum(p.numel() for p in trainable):,} trained)" if args.lora else ")")
+        + f" | layout {accelerator.parallelism.describe()}"
         f" | {len(text):,} characters, {counted.float().mean():.0%} of them in comments or "
         f"docstrings, {unknown} unknown | {len(train_ds):,} training windows of {config.block_size} | "
         f"normalize {args.normalize}\n"
