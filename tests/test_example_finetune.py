@@ -17,6 +17,7 @@ from slowness import budget
 from torch.utils.data import DataLoader
 
 from unison.checkpoint import load_object
+from unison.checkpoint.dcp_reading import read_full_model_state
 
 EXAMPLES = REPO_ROOT / "examples"
 TINY_GPT = ("--block-size", "16", "--n-layer", "1", "--n-head", "2", "--n-embd", "16")
@@ -137,6 +138,25 @@ def test_finetune_normalizes_by_the_global_count_on_any_split(gpt_project, tmp_p
     # of all 8 windows per step would give the global mean again, so the split decides where)
     _run(str(script), *_finetune_args(gpt_project, tmp_path / "per-batch", 2, 4, "per-batch"))
     assert _max_difference(_weights(tmp_path / "per-batch"), _weights(tmp_path / "one")) > 1e-4
+
+
+def test_finetune_with_lora_under_tensor_parallelism_trains_as_one_process(gpt_project, tmp_path):
+    """--lora 2 under tp_size=2 (the GPT's fused q|k|v, its other projections and their adapters split over
+    2 processes that read the same batches) against one process with the same micro-steps: the same
+    logged losses, adapters within AdamW's rounding, the GPT itself unchanged."""
+    pytest.importorskip("peft")
+    script = EXAMPLES / "finetune" / "train.py"
+    args = [*_finetune_args(gpt_project, tmp_path / "tp", 2, 2, "global"), "--lora", "2"]
+    tp = launch_ok(script, 2, *args, launch_args=["--parallelism", "tp_size=2"], timeout=180)
+    assert "LoRA r=2: " in tp.stdout and "layout tp=2" in tp.stdout, tp.stdout
+    one = _run(str(script), *_finetune_args(gpt_project, tmp_path / "one", 2, 2, "global"), "--lora", "2")
+    assert _logged(tp.stdout) == pytest.approx(_logged(one), abs=1e-4)
+    trained = read_full_model_state(tmp_path / "tp" / "checkpoints" / "checkpoint_3" / "model_0")
+    expected = _weights(tmp_path / "one")
+    adapters = {key for key in expected if ".lora_" in key}
+    assert len(adapters) == 4 * 2  # A and B beside c_attn, attn.c_proj, c_fc and mlp.c_proj of its 1 block
+    assert max((trained[k] - expected[k]).abs().max().item() for k in adapters) < 1e-5
+    assert all(torch.equal(trained[k], expected[k]) for k in expected if k not in adapters)
 
 
 def test_finetune_without_a_checkpoint_says_how_to_make_one(tmp_path):
