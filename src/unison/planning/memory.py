@@ -294,7 +294,7 @@ def _dense_shape(model: nn.Module) -> ModelShape:
     unit = max(block_parameters, total - block_parameters * len(blocks))  # a block, or the root
     per_block = [sum(p.numel() for p in block.parameters() if p.requires_grad) for block in blocks]
     frozen["block_trainable_parameters"] = max(per_block)
-    frozen["root_trainable_parameters"] = trainable - sum(per_block)
+    frozen["root_trainable_parameters"] = max(0, trainable - sum(per_block))  # (a weight tied across: once)
     block = blocks[0]
     has_attention = any(
         isinstance(m, nn.MultiheadAttention) or "attention" in type(m).__name__.lower()
