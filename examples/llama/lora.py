@@ -13,7 +13,6 @@ those only (docs/planner.md, "Fine-tuning with frozen weights or adapters").
 
 from __future__ import annotations
 
-import peft
 import transformers
 
 LLAMA_70B = dict(
@@ -32,6 +31,9 @@ def llama_70b() -> transformers.LlamaForCausalLM:
     return transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA_70B))
 
 
-def llama_70b_lora() -> peft.PeftModel:
-    """The same model frozen, with LoRA of rank 16 on q_proj, k_proj, v_proj and o_proj (65.5M trainable)."""
+def llama_70b_lora():
+    """The same model frozen, with LoRA of rank 16 on q_proj, k_proj, v_proj and o_proj (65.5M trainable).
+    Needs peft (`pip install unison[peft]`)."""
+    import peft
+
     return peft.get_peft_model(llama_70b(), peft.LoraConfig(r=16, target_modules=LORA_TARGETS))
