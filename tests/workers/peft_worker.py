@@ -3,7 +3,9 @@ against the same adapter trained in this process with plain torch.
 
 Each case is ADAPTER/LAYOUT[/OPTION]:
 - ADAPTER: `lora` (r=4 on q_proj, v_proj, o_proj and down_proj: column- and row-parallel bases under
-  tensor parallelism), `dora` (LoRA with use_dora), `ia3`, `prefix` (prefix tuning, 4 virtual tokens);
+  tensor parallelism), `dora` (LoRA with use_dora), `ia3`, `prefix` (prefix tuning, 4 virtual tokens),
+  `gptlora` (LoRA on every projection of the GPT example's model instead of the Llama: its fused q|k|v,
+  and sequence parallelism, which transformers' decoders do not take);
 - LAYOUT: a `parallelism=` string (ddp, zero2, zero3, tp_size=2, pp_size=2);
 - OPTION: `gc` (transformers' `gradient_checkpointing_enable()` before prepare), `dataset` (the batches
   from a `datasets.Dataset`), `iterable` (from a `datasets` IterableDataset), each of those two also
@@ -28,7 +30,8 @@ import peft
 import torch
 import torch.nn.functional as F
 import transformers
-from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_optimizer, plain_step
+from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, make_optimizer, plain_step
+from tiny_gpt import make_tiny_gpt
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, AcceleratorState, GradientState, PartialState
@@ -40,10 +43,16 @@ ADAPTERS = {
     "dora": lambda: peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"], use_dora=True),
     "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"]),
     "prefix": lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=4),
+    "gptlora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=["c_attn", "c_proj", "c_fc"]),
 }
+GPT_VOCAB = 32
 
 
 def make_model(adapter: str, gradient_checkpointing: bool) -> torch.nn.Module:
+    if adapter == "gptlora":
+        model = make_tiny_gpt(SEED, SEQ)
+        torch.manual_seed(SEED)  # lora_A's start
+        return peft.get_peft_model(model, ADAPTERS[adapter]())
     torch.manual_seed(SEED)
     config = transformers.LlamaConfig(**DECODER, intermediate_size=96)
     model = transformers.LlamaForCausalLM(config)
@@ -60,7 +69,8 @@ def make_model(adapter: str, gradient_checkpointing: bool) -> torch.nn.Module:
 
 
 def tokens() -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.randint(0, VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
+    """Token ids below the GPT's vocabulary too, so every model reads the same samples."""
+    ids = torch.randint(0, GPT_VOCAB, (STEPS * BATCH, SEQ + 1), generator=torch.Generator().manual_seed(3))
     return ids[:, :-1].contiguous(), ids[:, 1:].contiguous()
 
 
@@ -79,7 +89,8 @@ def batch_tensors(batch) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def loss_fn(output, targets: torch.Tensor) -> torch.Tensor:
-    return F.cross_entropy(output.logits.flatten(0, 1), targets.flatten())
+    logits = output[0] if isinstance(output, tuple) else output.logits  # the GPT returns (logits, loss)
+    return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def reference(adapter: str) -> tuple[dict, list[float]]:

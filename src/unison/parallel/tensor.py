@@ -78,6 +78,16 @@ def _broadcast_replicated(model: nn.Module, tp_mesh: DeviceMesh) -> None:
         dist.broadcast(tensor.data, src=source, group=group)
 
 
+def _keep_frozen(model: nn.Module, frozen: set[str]) -> None:
+    """Freeze again the parameters that were frozen (a fine-tuned model's base) and that a style replaced:
+    torch's SequenceParallel (and `distribute_module`'s default) registers `nn.Parameter(DTensor)`, which
+    requires grad, so a frozen norm would get gradients, enter the clipping norm and leave the frozen set
+    without a word."""
+    for name, param in model.named_parameters():
+        if name in frozen and param.requires_grad:
+            param.requires_grad_(False)
+
+
 def keep_gradients_in_parameter_layout(model: nn.Module) -> None:
     """Store each DTensor parameter's gradient in the parameter's own placements.
 
@@ -164,7 +174,9 @@ def apply_tensor_parallel(
         for name, module in matching_modules(model, pattern)
     }
     permute_fused_projections(fused, tp)  # then the plain column split gives each rank its heads
+    frozen = {name for name, param in model.named_parameters() if not param.requires_grad}
     parallelize_module(model, tp_mesh, plan)
+    _keep_frozen(model, frozen)
     retie(model, tied)
     _broadcast_replicated(model, tp_mesh)
     keep_gradients_in_parameter_layout(model)

@@ -30,7 +30,8 @@ import sys
 from collections.abc import Mapping
 
 import torch.nn as nn
-from torch.distributed.tensor import Replicate
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.distributed.tensor.parallel.style import ParallelStyle
 
@@ -43,6 +44,20 @@ REFUSAL_ADVICE = (
     "target_modules, or shard the model with ZeRO instead (parallelism='zero3' or "
     "'dp_shard_size=N'), which trains every PEFT adapter kind."
 )
+
+
+class WholeInput(ParallelStyle):
+    """A layer kept whole on every rank that reads the whole input of a column-split one: the input may
+    arrive as a replicated DTensor (under sequence parallelism the block's hidden states do, from
+    PrepareModuleInput), which a plain layer cannot multiply; it computes on the local tensor, which is
+    the whole input. Its gradient towards the input is whole on every rank too: lora_B's column split
+    all-reduced the gradient of lora_A's output."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        module.register_forward_pre_hook(
+            lambda _, args: tuple(a.to_local() if isinstance(a, DTensor) else a for a in args)
+        )
+        return module
 
 
 def is_adapter_layer(module: nn.Module) -> bool:
@@ -90,6 +105,8 @@ def _adapter_styles(name: str, module: nn.Module, style: ParallelStyle) -> dict[
         for adapter in adapters:
             if input_layout != Replicate():  # the input arrives split: lora_A sees this rank's share
                 entries[join_names(name, f"lora_A.{adapter}")] = ReplicatedOverShards()
+            else:
+                entries[join_names(name, f"lora_A.{adapter}")] = WholeInput()
             if isinstance(style, FusedColwiseParallel):
                 part = FusedColwiseParallel(
                     style.parts, input_layouts=input_layout, use_local_output=style.use_local_output

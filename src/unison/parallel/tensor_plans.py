@@ -182,6 +182,15 @@ def tensor_parallel_plan(
     that matches no layout raises ValueError showing the shape of a plan to pass instead.
     """
     carried = carried_plan(model)
+    if carried and sequence_parallel:
+        raise ValueError(
+            f"sequence_parallel=True cannot split {type(model).__name__}, a transformers model: its decoder "
+            "computes the rotary position tables and the causal mask from the hidden states it holds, which "
+            "sequence parallelism cuts to this process's share of the sequence (positions 0.. on every "
+            "process). The built-in sequence-parallel plans are for the GPT example's and "
+            "examples/llama's models, whose positions cover the whole sequence. Use sequence_parallel=False "
+            "(tensor parallelism from the model's own plan)."
+        )
     if carried and not (sequence_parallel or loss_parallel):
         plan = translate_plan(model, carried)
         if not plan:  # never split nothing in silence
