@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from generated_docs import check_or_write
 from launching import REPO_ROOT, WORKERS, launch_ok
 
@@ -130,3 +131,59 @@ def render_table(report: dict) -> str:
 
 def test_the_documented_fidelity_table_is_the_measured_one(report):
     check_or_write(DOC, START, END, render_table(report), "UNISON_WRITE_ADAPTERS")
+
+
+# -- in-process: the plans, before any communication -------------------------------------------------
+def tiny_lora_llama():
+    import peft
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        use_cache=False,
+    )
+    model = transformers.LlamaForCausalLM(config)
+    return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
+
+
+def test_a_peft_models_carried_plan_is_read_where_peft_put_the_model_and_through_its_wrappers():
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from unison.parallel.tensor import check_tensor_parallel
+
+    plan = check_tensor_parallel(tiny_lora_llama(), 2)
+    layer = "base_model.model.model.layers.*"
+    assert isinstance(plan[f"{layer}.self_attn.k_proj"], ColwiseParallel)  # no adapter: as planned
+    assert f"{layer}.self_attn.q_proj" not in plan  # the wrapper: its parts instead
+    q = "base_model.model.model.layers.0.self_attn.q_proj"
+    o = "base_model.model.model.layers.1.self_attn.o_proj"
+    assert isinstance(plan[f"{q}.base_layer"], ColwiseParallel)
+    assert isinstance(plan[f"{q}.lora_B.default"], ColwiseParallel)  # split like the base's output
+    assert isinstance(plan[f"{o}.base_layer"], RowwiseParallel)
+    assert isinstance(plan[f"{o}.lora_A.default"], RowwiseParallel)  # split like the base's input
+    assert f"{o}.lora_B.default" not in plan  # whole: it reads lora_A's all-reduced output
+
+
+def test_a_plan_that_names_no_module_is_refused_with_the_names_it_expected():
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    from unison.parallel.tensor import check_tensor_parallel, tensor_parallel_plan
+
+    model = tiny_lora_llama()
+    with pytest.raises(ValueError, match=r"use 'base_model\.model\.model\.layers\.\*\.mlp\.up_proj'"):
+        check_tensor_parallel(model, 2, {"model.layers.*.mlp.up_proj": ColwiseParallel()})
+
+    class Carrier(torch.nn.Module):  # a plan of transformers' shape whose keys name none of its modules
+        def __init__(self):
+            super().__init__()
+            self.body = torch.nn.Linear(4, 4)
+            self.tp_plan = {"model.layers.*.self_attn.q_proj": "colwise"}
+
+    expected = r"whose keys name none of its modules: it expected modules such as \['model.layers"
+    with pytest.raises(ValueError, match=expected):
+        tensor_parallel_plan(Carrier())
