@@ -38,9 +38,9 @@ TRAINED = {
     ("dp_replicate_size=2,dp_shard_size=2,ep_size=2", 4): ["mixtral"],  # beside HSDP
 }
 EDGES = {  # a short last window; the example built on the meta device; compiled, with recomputation
-    ("ep_size=2", 2): ["mixtral+aux", "--short-window"],
-    ("ep_size=2,dp_shard_size=4", 4): ["gpt_moe", "--short-window", "--meta"],
-    ("ep_size=2,activation_checkpointing=full", 2): ["gpt_moe", "--dynamo-backend", "aot_eager"],
+    ("ep_size=2", 2): ("mixtral+aux", {"short_window": True}),
+    ("ep_size=2,dp_shard_size=4", 4): ("gpt_moe", {"short_window": True, "meta": True}),
+    ("ep_size=2,activation_checkpointing=full", 2): ("gpt_moe", {"dynamo_backend": "aot_eager"}),
 }
 RESUMED = {  # (layout, processes, the run whose checkpoint it loads)
     ("ep_size=2", 1, "ep_size=2"),  # on one process: every expert whole again
@@ -51,28 +51,47 @@ RESUMED = {  # (layout, processes, the run whose checkpoint it loads)
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
+    """Four launches, each running its cases in turn (a new Accelerator for each): one process saving a
+    checkpoint; 2 processes (the trained, edge, resumed and precision cases, the compiled one last); 4
+    processes; one process resuming the checkpoint saved on 2."""
     root = tmp_path_factory.mktemp("ep")
-    found = {}
+    saved = {"ep_size=2": root / "saved-2", "one process": root / "saved-1"}
+    cases = {world: [] for world in (1, 2, 4)}  # world: [(key, run, budget in idle seconds)]
     for (layout, world), families in TRAINED.items():
-        out = root / f"{world}.json"
-        launch_ok(WORKER, world, out, layout, *families, "--save", root / f"saved-{world}", timeout=600)
-        found.update({(layout, family): run for family, run in json.loads(out.read_text()).items()})
-    for (layout, world), arguments in EDGES.items():
-        out = root / f"edge-{world}.json"
-        launch_ok(WORKER, world, out, layout, *arguments, timeout=300)
-        found["edge", layout] = json.loads(out.read_text())[arguments[0]]
-    launch_ok(WORKER, 1, root / "one.json", "ep_size=2", "mixtral", "--save", root / "saved-1", timeout=300)
-    sources = {"ep_size=2": root / "saved-2", "one process": root / "saved-1"}
-    for layout, world, source in RESUMED:
-        out = root / f"resumed-{world}.json"
-        launch_ok(WORKER, world, out, layout, "mixtral", "--load", sources[source], timeout=300)
-        found["resumed", layout, world] = json.loads(out.read_text())["mixtral"]
+        save = saved[layout] if world == 2 else root / f"saved-{world}-{len(cases[world])}"
+        cases[world].append(
+            (("trained", layout), {"layout": layout, "families": families, "save": save}, 600)
+        )
+    for layout, world, source in sorted(RESUMED):
+        run = {"layout": layout, "families": ["mixtral"], "load": saved[source]}
+        cases[world].append((("resumed", layout, world), run, 300))
     for precision in ("bf16", "fp16"):
         for layout in ("ep_size=2,zero_stage=2", "ddp"):
             state = root / f"{precision}-{layout}"
-            arguments = ("mixtral", "--mixed-precision", precision, "--state", state)
-            launch_ok(WORKER, 2, root / "precision.json", layout, *arguments, timeout=300)
-            found[precision, layout] = torch.load(state.with_name(f"{state.name}.mixtral.pt"))
+            run = {"layout": layout, "families": ["mixtral"], "mixed_precision": precision, "state": state}
+            cases[2].append(((precision, layout), run, 300))
+    for (layout, world), (family, options) in sorted(
+        EDGES.items(), key=lambda e: "dynamo_backend" in e[1][1]
+    ):
+        cases[world].append((("edge", layout), {"layout": layout, "families": [family], **options}, 300))
+    one_saves = {"layout": "ep_size=2", "families": ["mixtral"], "save": saved["one process"]}
+    found = {}
+    for number, (world, planned) in enumerate(
+        [(1, [(("saved",), one_saves, 300)]), (2, cases[2]), (4, cases[4]), (1, cases[1])]
+    ):
+        out = root / f"launch-{number}.json"
+        plan = [{**run, "name": str(i)} for i, (_, run, _) in enumerate(planned)]
+        budget = sum(seconds for _, _, seconds in planned)
+        launch_ok(WORKER, world, out, json.dumps(plan, default=str), timeout=budget)
+        report = json.loads(out.read_text())
+        for i, (key, run, _) in enumerate(planned):
+            families = report[str(i)]
+            if key[0] == "trained":
+                found.update({(key[1], family): result for family, result in families.items()})
+            elif "state" in run:  # the precision cases: the trained model's full state
+                found[key] = torch.load(run["state"].with_name(f"{run['state'].name}.mixtral.pt"))
+            else:
+                found[key] = families[run["families"][0]]
     return found
 
 
@@ -101,7 +120,7 @@ def test_a_short_window_meta_init_compile_and_recomputation_stay_with_one_proces
     own init replayed (1.9e-8 from one process: a normal build's values); each block compiled
     (aot_eager) and recomputed in backward, the all-to-alls running again in the recomputation."""
     run = runs["edge", layout]
-    steps = 4 if "--short-window" in EDGES[layout, world] else 3
+    steps = 4 if EDGES[layout, world][1].get("short_window") else 3
     assert run["keys_match"] and run["steps"] == steps, run
     assert run["max_abs_diff"] < 1e-6 and run["loss_diff"] < 1e-5, run
 

@@ -14,14 +14,19 @@ process, plain torch, on each step's whole batch. What each family's experts exe
 - mixtral_one_sided: Mixtral with every token routed to the experts of one process of the EP group.
 
 A family spec "mixtral+aux" also trains on the model's load-balancing loss (each process's over its own
-micro-batch; the reference computes it over the same micro-batches). --save DIR saves the trained state;
---load DIR loads one saved under any layout and takes one more step, against the reference's four.
-Arguments: the JSON report's path (written by process 0), the layout, the family specs.
+micro-batch; the reference computes it over the same micro-batches). "save": DIR saves the trained state;
+"load": DIR loads one saved under any layout and takes one more step, against the reference's four.
+
+Arguments: the JSON report's path (written by process 0) and a JSON list of runs, each a dict: "name",
+"layout", "families" (the family specs), and optionally "save", "load", "mixed_precision", "meta" (build
+inside init_empty_weights()), "short_window" (end with a window of 1 micro-batch), "dynamo_backend"
+(compile each block with it), "state" (write the trained model's full state to STATE.<family>.pt). The
+runs share the launch (its process group): each builds its Accelerator anew (the state reset between
+runs, as the combination matrix does). The report: {name: {family spec: result}}.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -33,6 +38,7 @@ from hf_fidelity import ACCUMULATION, DECODER, SEED, SEQ, STEPS, VOCAB, make_opt
 from torch.utils.data import DataLoader, TensorDataset
 
 from unison import Accelerator, PartialState, init_empty_weights
+from unison.state import AcceleratorState, GradientState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples" / "gpt"))
 from model import GPT, GPTConfig  # noqa: E402  (the example's MoE block)
@@ -87,13 +93,10 @@ def rows(count: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
 
-EXTRA_ROWS = 0
-"""Rows after the STEPS whole steps (--short-window: one micro-step's over all processes, so the last
-accumulation window has 1 of its 2 micro-batches and is averaged over it, as one process does)."""
-
-
-def make_dataset() -> TensorDataset:
-    count = STEPS * BATCH + EXTRA_ROWS
+def make_dataset(short_window: bool = False) -> TensorDataset:
+    """STEPS whole steps' rows; with short_window one micro-step's more over all processes, so the last
+    accumulation window has 1 of its 2 micro-batches and is averaged over it, as one process does."""
+    count = STEPS * BATCH + (BATCH // ACCUMULATION if short_window else 0)
     return TensorDataset(*rows(count, 3), torch.arange(count))
 
 
@@ -106,13 +109,15 @@ def loss_of(model: torch.nn.Module, ids: torch.Tensor, targets: torch.Tensor) ->
     return loss if getattr(output, "aux_loss", None) is None else loss + AUX * output.aux_loss
 
 
-def reference(spec: str, groups: list[list[list[int]]], extra: bool) -> tuple[dict, list[float]]:
+def reference(
+    spec: str, groups: list[list[list[int]]], extra: bool, short_window: bool
+) -> tuple[dict, list[float]]:
     """One process, plain torch. groups[step]: the dataset rows of each micro-batch the processes ran in
     that step; the cross-entropy is the whole batch's mean either way, the load-balancing loss is each
     micro-batch's, averaged. extra: one more step on rows(BATCH, 5), as a resumed run takes."""
     model = make(spec)
     optimizer, scheduler = make_optimizer(model)
-    ids, targets = make_dataset().tensors[:2]
+    ids, targets = make_dataset(short_window).tensors[:2]
     steps = [[(ids[g], targets[g]) for g in step] for step in groups]
     if extra:
         extra_ids, extra_targets = rows(BATCH, 5)
@@ -136,14 +141,23 @@ def micro_step(accelerator, model, optimizer, scheduler, ids, targets) -> float:
     return accelerator.reduce(loss.detach(), "mean").item()  # over the data-parallel ranks
 
 
-def train(spec: str, layout: str, args: argparse.Namespace) -> dict:
-    save, load, precision, meta, state_out = args.save, args.load, args.mixed_precision, args.meta, args.state
+def train(spec: str, run: dict) -> dict:
+    """One family under run's layout and options, against the one-process reference."""
+    save, load = (Path(run[key]) if run.get(key) else None for key in ("save", "load"))
+    precision, meta, short_window = (
+        run.get("mixed_precision", "no"),
+        run.get("meta", False),
+        run.get("short_window", False),
+    )
+    state_out = Path(run["state"]) if run.get("state") else None
+    AcceleratorState._reset_state()  # one layout and precision per Accelerator: a new one for each
+    GradientState._reset_state()
     accelerator = Accelerator(
         cpu=True,
-        parallelism=layout,
+        parallelism=run["layout"],
         gradient_accumulation_steps=ACCUMULATION,
         mixed_precision=precision,
-        dynamo_backend=args.dynamo_backend,
+        dynamo_backend=run.get("dynamo_backend", "no"),
     )
     if meta:
         with init_empty_weights():
@@ -152,7 +166,7 @@ def train(spec: str, layout: str, args: argparse.Namespace) -> dict:
         model = make(spec)
     optimizer, scheduler = make_optimizer(model)
     dp = accelerator.parallelism.dp_size
-    loader = DataLoader(make_dataset(), batch_size=BATCH // (ACCUMULATION * dp))
+    loader = DataLoader(make_dataset(short_window), batch_size=BATCH // (ACCUMULATION * dp))
     model, optimizer, loader, scheduler = accelerator.prepare(model, optimizer, loader, scheduler)
     losses: list[float] = []
     groups: list[list[list[int]]] = []
@@ -192,7 +206,7 @@ def train(spec: str, layout: str, args: argparse.Namespace) -> dict:
         groups = [[list(range(r * BATCH, (r + 1) * BATCH))] for r in range(STEPS)]  # no aux on resume
     full = accelerator.get_state_dict(model)
     with torch.autocast("cpu", torch.bfloat16, enabled=precision == "bf16"):
-        expected, expected_losses = reference(spec, groups, extra=load is not None)
+        expected, expected_losses = reference(spec, groups, load is not None, short_window)
     expected_losses = expected_losses[-len(losses) :]
     result = {
         "loss_diff": max(abs(a - b) for a, b in zip(losses, expected_losses, strict=True)),
@@ -217,26 +231,15 @@ def train(spec: str, layout: str, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("out", type=Path)
-    parser.add_argument("layout")
-    parser.add_argument("families", nargs="+", help="family, or family+aux for the load-balancing loss")
-    parser.add_argument("--save", type=Path, help="save_state after training, into SAVE/<family>")
-    parser.add_argument("--load", type=Path, help="load_state from LOAD/<family>, then one more step")
-    parser.add_argument("--mixed-precision", default="no", choices=("no", "bf16", "fp16"))
-    parser.add_argument("--meta", action="store_true", help="build the model inside init_empty_weights()")
-    parser.add_argument("--short-window", action="store_true", help="end with a window of 1 micro-batch")
-    parser.add_argument("--dynamo-backend", default="no", help="compile each block with this backend")
-    parser.add_argument(
-        "--state", type=Path, help="write the trained model's full state to STATE.<family>.pt"
-    )
-    args = parser.parse_args()
-    global EXTRA_ROWS
-    EXTRA_ROWS = BATCH // ACCUMULATION if args.short_window else 0
+    out, runs = Path(sys.argv[1]), json.loads(sys.argv[2])
     state = PartialState(cpu=True)
-    report = {spec: train(spec, args.layout, args) for spec in args.families}
+    report = {}
+    for run in runs:
+        report[run["name"]] = {spec: train(spec, run) for spec in run["families"]}
+        if run.get("dynamo_backend", "no") != "no":
+            torch._dynamo.reset()  # the next run's blocks are not this one's compiled code
     if state.is_main_process:
-        args.out.write_text(json.dumps(report))
+        out.write_text(json.dumps(report))
 
 
 if __name__ == "__main__":
