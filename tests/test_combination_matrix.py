@@ -40,7 +40,12 @@ LAYOUTS = {
     8: ("pp_size=2,dp_shard_size=2,tp_size=2",),
 }
 PRECISIONS = ("no", "bf16", "fp16")
-CONDITIONS = ("loop", "meta", "resume")
+CONDITIONS = ("loop", "meta", "resume", "lora", "lora resume")
+# What the half precision alone moves one process, at least (each cell's bound is that change): LoRA trains
+# 4-wide adapters beside a frozen base, so its half-precision runs move less (bf16 6e-5 .. 1.1e-4, fp16
+# 1e-5 .. 1.1e-5 measured, against 2e-4 .. 5e-4 and 3e-5 .. 8e-5 for the whole model).
+LEAST_NOISE = {"bf16": 1e-4, "fp16": 1e-5}
+LEAST_LORA_NOISE = {"bf16": 2e-5, "fp16": 3e-6}
 # (layout substring, precision) -> the start of the message every rank raises. Empty: every
 # combination runs (fp16 under pipelines, the last refusal, runs since the scaler agrees across ranks).
 REFUSED: dict[tuple[str, str], str] = {}
@@ -98,15 +103,16 @@ def test_every_cell_equals_one_process_or_is_refused_up_front(matrix, layout, pr
         assert "Use " in record["refused"]  # the message says what to do instead
         return
     assert record is not None and "refused" not in record, record
-    assert record["steps"] == (2 if condition == "resume" else 3)  # resumed after step 1 of 3
+    assert record["steps"] == (2 if "resume" in condition else 3)  # resumed after step 1 of 3
     assert record["dtypes"] == ["torch.float32"]  # master weights stay fp32
     noise = record["noise"]  # one process in this precision against one in fp32, same model and data
     if precision == "no":
         assert noise == 0 and record["vs_same_precision"] < FP32_TOLERANCE, record
     else:  # the bound is only as good as the noise it is taken from: it must be there, and small
-        assert {"bf16": 1e-4, "fp16": 1e-5}[precision] < noise < 5e-3, record
+        assert (LEAST_LORA_NOISE if "lora" in condition else LEAST_NOISE)[precision] < noise < 5e-3, record
         assert record["vs_same_precision"] <= 2 * noise, record
-        assert record["vs_fp32"] <= 1.5 * noise, record
+        # LoRA's noise is 4-6x smaller while a split's own rounding is not: up to 1.65x (fp16, 8 processes)
+        assert record["vs_fp32"] <= (2 if "lora" in condition else 1.5) * noise, record
 
 
 def render_table(matrix: dict) -> str:
@@ -123,7 +129,13 @@ def cell_text(matrix: dict, layout: str, precision: str) -> str:
     refusals = {r["refused"] for r in records.values() if r and "refused" in r}
     if refusals:
         return "refused: " + "; ".join(sorted(m.split(": ", 1)[1].split(":")[0] for m in refusals))
-    labels = {"loop": "loop", "meta": "meta init", "resume": "resume on 1"}
+    labels = {
+        "loop": "loop",
+        "meta": "meta init",
+        "resume": "resume on 1",
+        "lora": "LoRA",
+        "lora resume": "LoRA resumed on 1",
+    }
     return "equal: " + ", ".join(labels[c] for c, r in records.items() if r)
 
 

@@ -3,10 +3,12 @@
 For each layout named on the command line and each precision (fp32, bf16, fp16), the ordinary loop
 (prepare, accumulate 2, forward_backward, clip_grad_norm_, a rate that changes every step, a loader whose
 last batch is short: 18 samples in global micro-batches of 4, so the 3rd window holds one batch of 2) runs
-twice: on a model built normally, saving a checkpoint after optimizer step RESUME_AT, and on the same
-model built on the meta device (`init_empty_weights`). Each run's parameters are compared with one process
-of plain torch in the same precision (autocast, and torch's GradScaler for fp16), computed here, and with
-plain torch in fp32: what the half precision alone changes, the measure the tolerance is taken from.
+three times: on a model built normally, saving a checkpoint after optimizer step RESUME_AT; on the same
+model built on the meta device (`init_empty_weights`); and fine-tuning it with PEFT's LoRA (the base
+frozen, r=4 on every projection of its blocks), saving a checkpoint too. Each run's parameters are
+compared with one process of plain torch in the same precision (autocast, and torch's GradScaler for
+fp16), computed here, and with plain torch in fp32: what the half precision alone changes, the measure
+the tolerance is taken from.
 
 A construction or prepare() that refuses the combination is recorded (the message every rank got); an
 error later, mid-training, is no refusal and ends the launch. `resume` mode (one process, no launcher)
@@ -23,6 +25,7 @@ import json
 import sys
 from pathlib import Path
 
+import peft
 import torch
 import torch.nn.functional as F
 from context_parallel_worker import TinySdpaModel
@@ -45,11 +48,22 @@ def family(layout: str) -> str:
     return "sdpa" if "cp_size" in layout else "gpt"
 
 
-def make_model(model_family: str) -> torch.nn.Module:
+LORA_TARGETS = {  # every projection of a block: split by columns (fused q|k|v too) and by rows under TP
+    "gpt": ["c_attn", "c_proj", "c_fc"],
+    "sdpa": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+
+
+def make_model(model_family: str, lora: bool = False) -> torch.nn.Module:
     if model_family == "sdpa":
         torch.manual_seed(SEED)
-        return TinySdpaModel()
-    return make_tiny_gpt(SEED, BLOCK)
+        model = TinySdpaModel()
+    else:
+        model = make_tiny_gpt(SEED, BLOCK)
+    if lora:
+        targets = LORA_TARGETS[model_family]
+        model = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets))
+    return model
 
 
 def dataset() -> TensorDataset:
@@ -58,7 +72,7 @@ def dataset() -> TensorDataset:
 
 
 def optimizer_and_scheduler(params):
-    optimizer = torch.optim.SGD(params, lr=0.5, momentum=0.9)
+    optimizer = torch.optim.SGD([p for p in params if p.requires_grad], lr=0.5, momentum=0.9)
     return optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 0.8**step)
 
 
@@ -84,10 +98,10 @@ def batches(topped_up: bool) -> list[torch.Tensor]:
 
 
 @functools.cache
-def reference(precision: str, model_family: str, topped_up: bool) -> dict[str, torch.Tensor]:
+def reference(precision: str, model_family: str, topped_up: bool, lora: bool) -> dict[str, torch.Tensor]:
     """One process of plain torch: each window's batches in turn, their mean losses averaged over the
     batches the window really has (unison's convention for a window cut short by the loader)."""
-    model = make_model(model_family)
+    model = make_model(model_family, lora)
     optimizer, scheduler = optimizer_and_scheduler(model.parameters())
     scaler = torch.amp.GradScaler("cpu") if precision == "fp16" else None
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
@@ -128,9 +142,9 @@ def new_accelerator(layout: str | None, precision: str) -> Accelerator:
     )
 
 
-def prepared(accelerator: Accelerator, model_family: str, meta: bool):
+def prepared(accelerator: Accelerator, model_family: str, meta: bool, lora: bool = False):
     with init_empty_weights() if meta else contextlib.nullcontext():
-        model = make_model(model_family)
+        model = make_model(model_family, lora)
     optimizer, scheduler = optimizer_and_scheduler(model.parameters())
     loader = DataLoader(dataset(), batch_size=MICRO_BATCH)
     return accelerator.prepare(model, optimizer, loader, scheduler)
@@ -184,21 +198,21 @@ def refusal(accelerator_or_error: BaseException, state: PartialState) -> dict:
     return {"refused": message, "same_on_every_rank": all(m == message for m in everyone[1:])}
 
 
-def run_cell(layout, precision, meta, expected, checkpoint, state) -> dict:
-    print(f"cell {layout} {precision} {'meta' if meta else 'loop'}", flush=True)  # where a crash happened
+def run_cell(layout, precision, condition, expected, checkpoint, state) -> dict:
+    print(f"cell {layout} {precision} {condition}", flush=True)  # where a crash happened
     model_family = family(layout)
     try:
         accelerator = new_accelerator(layout, precision)
-        objects = prepared(accelerator, model_family, meta)
+        objects = prepared(accelerator, model_family, condition == "meta", condition == "lora")
     except (ValueError, TypeError, NotImplementedError) as error:
         return refusal(error, state)
     steps = train_loop(accelerator, *objects, model_family, save_to=checkpoint)
     return compared(accelerator, objects[0], steps, expected)
 
 
-def references(kinds: set[tuple[str, bool]]) -> dict:
-    """For each (model family, topped-up last batch) and precision: the one-process reference in that
-    precision, the fp32 one, and their distance (what the half precision alone changes)."""
+def references(kinds: set[tuple[str, bool, bool]]) -> dict:
+    """For each (model family, topped-up last batch, LoRA) and precision: the one-process reference in
+    that precision, the fp32 one, and their distance (what the half precision alone changes)."""
     out = {}
     for kind in kinds:
         fp32 = reference("no", *kind)
@@ -208,8 +222,8 @@ def references(kinds: set[tuple[str, bool]]) -> dict:
     return out
 
 
-def kind(layout: str | None, data_parallel: bool) -> tuple[str, bool]:
-    return family(layout or ""), data_parallel
+def kind(layout: str | None, data_parallel: bool, lora: bool) -> tuple[str, bool, bool]:
+    return family(layout or ""), data_parallel, lora
 
 
 def data_parallel(layout: str, world_size: int) -> bool:
@@ -218,19 +232,25 @@ def data_parallel(layout: str, world_size: int) -> bool:
 
 def train_mode(report_path: Path, checkpoints: Path, layouts: list[str]) -> None:
     state = PartialState(cpu=True)
-    kinds = {layout: kind(layout, data_parallel(layout, state.num_processes)) for layout in layouts}
+    kinds = {
+        (layout, lora): kind(layout, data_parallel(layout, state.num_processes), lora)
+        for layout in layouts
+        for lora in (False, True)
+    }
     # process 0 compares and writes the report: the others need no reference
     expected = references(set(kinds.values())) if state.is_main_process else {}
     report: dict = {}
     for layout in layouts:
         for precision in PRECISIONS:
-            cell_expected = expected.get((*kinds[layout], precision))
-            checkpoint = checkpoints / f"{layout}@{precision}@{state.num_processes}"
-            report[f"{layout}/{precision}/loop"] = run_cell(
-                layout, precision, False, cell_expected, checkpoint, state
-            )
-            meta = run_cell(layout, precision, True, cell_expected, None, state)
-            report[f"{layout}/{precision}/meta"] = meta
+            for condition in ("loop", "meta", "lora"):
+                cell_expected = expected.get((*kinds[layout, condition == "lora"], precision))
+                checkpoint = (
+                    None
+                    if condition == "meta"
+                    else checkpoints / "@".join((layout, precision, str(state.num_processes), condition))
+                )
+                cell = run_cell(layout, precision, condition, cell_expected, checkpoint, state)
+                report[f"{layout}/{precision}/{condition}"] = cell
     if state.is_main_process:
         report_path.write_text(json.dumps(report, indent=1))
 
@@ -239,19 +259,21 @@ def resume_mode(report_path: Path, checkpoints: list[Path]) -> None:
     """One process, `python matrix_worker.py resume ...`: each checkpoint loaded and trained to the end."""
     report = {}
     for checkpoint in checkpoints:
-        layout, precision, _ = checkpoint.name.split("@")
+        layout, precision, _, condition = checkpoint.name.split("@")
+        lora = condition == "lora"
+        name = f"{layout}/{precision}/{'lora resume' if lora else 'resume'}"
         model_family = family(layout)
         accelerator = new_accelerator(None, precision)
-        model, optimizer, loader, scheduler = prepared(accelerator, model_family, meta=False)
+        model, optimizer, loader, scheduler = prepared(accelerator, model_family, meta=False, lora=lora)
         try:
             accelerator.load_state(checkpoint)
         except (ValueError, TypeError, NotImplementedError, RuntimeError) as error:
-            report[f"{layout}/{precision}/resume"] = {"refused": f"{type(error).__name__}: {error}"}
+            report[name] = {"refused": f"{type(error).__name__}: {error}"}
             continue
         steps = train_loop(accelerator, model, optimizer, loader, scheduler, model_family)
         # one process reads the rest of the epoch itself: its short last batch is not topped up
-        expected = references({kind(layout, False)})[(*kind(layout, False), precision)]
-        report[f"{layout}/{precision}/resume"] = compared(accelerator, model, steps, expected)
+        expected = references({kind(layout, False, lora)})[(*kind(layout, False, lora), precision)]
+        report[name] = compared(accelerator, model, steps, expected)
     report_path.write_text(json.dumps(report, indent=1))
 
 
