@@ -137,17 +137,9 @@ def test_the_documented_fidelity_table_is_the_measured_one(report):
 def tiny_lora_llama():
     import peft
     import transformers
+    from hf_fidelity import DECODER
 
-    config = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        use_cache=False,
-    )
-    model = transformers.LlamaForCausalLM(config)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**DECODER, intermediate_size=96))
     return peft.get_peft_model(model, peft.LoraConfig(r=4, target_modules=["q_proj", "o_proj"]))
 
 
