@@ -15,6 +15,7 @@ the runs; without it the test fails when the table and the runs disagree.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -98,11 +99,13 @@ def test_tensor_parallelism_refuses_the_adapters_it_cannot_split_on_every_proces
     assert "zero3" in record["refused"] or "sequence_parallel=False" in record["refused"]  # what works
 
 
-def bound(value: float) -> str:
-    """A distance as the power of ten it stays under: stable across machines, still a measurement."""
-    if value == 0:
-        return "0"
-    exponent = -12
+def bound(value: float, floor: float) -> str:
+    """A distance as the power of ten it stays under, `floor` at the least (a distance of 0 or 2e-7 is
+    rounding either way, and which one a machine gives is its own): stable across machines, still a
+    measurement; "0" only for the frozen weights, which no rounding may touch."""
+    if floor == 0:
+        return "0" if value == 0 else f"{value:.1e}"
+    exponent = round(math.log10(floor))
     while value >= 10.0**exponent:
         exponent += 1
     return f"< 1e{exponent}"
@@ -119,9 +122,11 @@ def render_table(report: dict) -> str:
     for case in TRAINED:
         adapter, layout, option = (case.split("/") + [""])[:3]
         r = report[case]
+        distances = [bound(r["loss_diff"], 1e-6), bound(r["trained_diff"], 1e-7), bound(r["frozen_diff"], 0)]
         rows.append(
             f"| {adapter} | `{layout}` | {options[option]} | {r['trainable']} | {r['split_parameters']} | "
-            f"{bound(r['loss_diff'])} | {bound(r['trained_diff'])} | {bound(r['frozen_diff'])} |"
+            + " | ".join(distances)
+            + " |"
         )
     for case in sorted(REFUSED):
         adapter, layout = case.split("/")
