@@ -1,10 +1,11 @@
 """Tensor parallelism from the plan a Hugging Face model carries (unison.parallel.transformers_plans).
 
-Launches of tests/workers/hf_tp_plan_worker.py train Qwen3, Phi3 and Olmo2 (tiny configs, no download)
-under tp_size=2 with no plan passed, and Qwen3 under tp_size=2 beside dp_shard_size=2 (4 processes),
-against one process; the in-process tests check the
-translation, the refusals (a mixture of experts, a model with no plan and no known layout) and that
-the head-count check still applies to a carried plan.
+tests/workers/hf_tp_plan_worker.py's training runs Qwen3, Phi3 and Olmo2 (tiny configs, no download)
+under tp_size=2 with no plan passed, in the survey's launch before the survey
+(tests/workers/hf_tp_survey_worker.py: every causal LM transformers ships with a plan), and Qwen3 under
+tp_size=2 beside dp_shard_size=2 in a launch of its own (4 processes), all against one process; the
+in-process tests check the translation, the refusals (a mixture of experts, a model with no plan and no
+known layout) and that the head-count check still applies to a carried plan.
 """
 
 from __future__ import annotations
@@ -30,12 +31,31 @@ HEADS = dict(num_attention_heads=4, num_key_value_heads=2)
 
 
 @pytest.fixture(scope="module")
-def report(tmp_path_factory):
-    found = {}
+def survey_and_trained(tmp_path_factory):
+    """One launch on 2 processes: RUNS' 2-process families trained (hf_tp_plan_worker.py's train()), then
+    the survey (tests/workers/hf_tp_survey_worker.py)."""
+    root = tmp_path_factory.mktemp("hf_tp_survey")
+    [((layout, world), families)] = [(key, families) for key, families in RUNS.items() if key[1] == 2]
+    out, trained = root / "survey.json", root / "trained.json"
+    launch_ok(
+        WORKERS / "hf_tp_survey_worker.py",
+        world,
+        *(out, trained, layout, *families),
+        launch_args=["--timeout", "120"],
+        timeout=900 + 600,
+    )
+    found = {(layout, family): run for family, run in json.loads(trained.read_text()).items()}
+    return json.loads(out.read_text()), found
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory, survey_and_trained):
+    found = dict(survey_and_trained[1])
     for (layout, world), families in RUNS.items():
-        out = tmp_path_factory.mktemp("hf_tp") / "report.json"
-        launch_ok(WORKERS / "hf_tp_plan_worker.py", world, out, layout, *families, timeout=600)
-        found.update({(layout, family): run for family, run in json.loads(out.read_text()).items()})
+        if world != 2:  # those on 2 processes ran in the survey's launch
+            out = tmp_path_factory.mktemp("hf_tp") / "report.json"
+            launch_ok(WORKERS / "hf_tp_plan_worker.py", world, out, layout, *families, timeout=600)
+            found.update({(layout, family): run for family, run in json.loads(out.read_text()).items()})
     return found
 
 
@@ -175,10 +195,8 @@ def survey_table(survey: dict) -> str:
 
 
 @pytest.fixture(scope="module")
-def survey(tmp_path_factory):
-    out = tmp_path_factory.mktemp("hf_tp_survey") / "survey.json"
-    launch_ok(WORKERS / "hf_tp_survey_worker.py", 2, out, launch_args=["--timeout", "120"], timeout=900)
-    return json.loads(out.read_text())
+def survey(survey_and_trained):
+    return survey_and_trained[0]
 
 
 def test_every_transformers_model_with_a_plan_runs_from_it_equals_one_process_or_is_refused(survey):
