@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn as nn
-from launching import REPO_ROOT, launch_ok
+from launching import REPO_ROOT, WORKERS, launch_ok
 from slowness import budget
 
 EXAMPLE = REPO_ROOT / "examples" / "gpt"
@@ -325,37 +325,37 @@ def test_train_py_help_gives_every_option_a_help_text_and_shows_every_default(mo
             assert "(default: None)" not in text and "(default: False)" not in text, text
 
 
-def _logged_losses(result) -> list[float]:
-    return [
-        float(re.search(r"\| loss (\d+\.\d+)", line).group(1))
-        for line in result.stdout.splitlines()
-        if "| loss " in line
-    ]
-
-
-def test_train_py_logs_the_same_losses_under_every_layout():
+def test_train_py_logs_the_same_losses_under_every_layout(tmp_path):
     """The main job under DDP, ZeRO-3, tensor and pipeline parallel on 2 processes: one global batch of 8
     sequences per step everywhere (4 per process where both read different data), the same losses, and
-    the same validation loss over the same 16 validation windows."""
+    the same validation loss over the same 16 validation windows. One launch runs train.py's main() for
+    each layout in turn (tests/workers/gpt_layouts_worker.py: the layout set as --parallelism sets it)."""
     common = (
         *("--max-steps", 4, "--block-size", 16, "--n-layer", 2, "--n-head", 2, "--n-embd", 32),
         *("--log-interval", 1, "--eval-interval", 4, "--sample-chars", 0),
         *("--warmup-steps", 2, "--save-every", 0),
     )
+    layouts = {  # layout: (sequences per micro-batch, how the run's header describes it)
+        "ddp": (4, "dp_replicate=2"),
+        "zero3": (4, "dp_shard=2 (ZeRO-3)"),
+        "tp_size=2": (8, "tp=2"),
+        "pp_size=2,pp_microbatches=2": (8, "pp=2, pp_schedule=1f1b"),
+    }
+    runs = []
+    for layout, (batch, _) in layouts.items():
+        sizes = ("--batch-size", batch, "--eval-batches", 16 // batch)
+        runs.append([layout, [*common, *sizes, "--project-dir", tmp_path / layout]])
+    result = launch_ok(WORKERS / "gpt_layouts_worker.py", 2, json.dumps(runs, default=str), timeout=4 * 180)
+    outputs = re.split(r"^\[rank0\]: ==== run (.*)$", result.stdout, flags=re.M)[1:]
+    assert outputs[::2] == list(layouts), result.stdout
     losses, val_losses = {}, {}
-    for layout, batch in (("ddp", 4), ("zero3", 4), ("tp_size=2", 8), ("pp_size=2,pp_microbatches=2", 8)):
-        result = launch_ok(
-            EXAMPLE / "train.py",
-            2,
-            *common,
-            *("--batch-size", batch, "--eval-batches", 16 // batch),
-            launch_args=("--parallelism", layout),
-            timeout=180,
-        )
-        losses[layout] = _logged_losses(result)
-        assert len(losses[layout]) == 4, result.stdout
-        val_losses[layout] = [float(v) for v in re.findall(r"\| val loss (\d+\.\d+)", result.stdout)]
-        assert len(val_losses[layout]) == 1, result.stdout
+    for layout, out in zip(outputs[::2], outputs[1::2]):
+        header = re.search(r"\| layout (.*) \| mixed precision", out)
+        assert header and header.group(1) == layouts[layout][1], out  # the run ran under that layout
+        losses[layout] = [float(v) for v in re.findall(r"\| loss (\d+\.\d+)", out)]
+        assert len(losses[layout]) == 4, out
+        val_losses[layout] = [float(v) for v in re.findall(r"\| val loss (\d+\.\d+)", out)]
+        assert len(val_losses[layout]) == 1, out
     for layout, logged in losses.items():
         assert logged == pytest.approx(losses["ddp"], abs=2e-4), (layout, logged, losses["ddp"])
         assert val_losses[layout] == pytest.approx(val_losses["ddp"], abs=2e-4), (layout, val_losses)
