@@ -1,7 +1,8 @@
 """Tensor parallel (unison.parallel.tensor): fidelity to a single-process reference, memory, checkpoints.
 
 One launch of tests/workers/tensor_parallel_worker.py on 2 processes (tp=2) and one on 4 (tp=4, and
-dp_shard=2 x tp=2 under ZeRO-3 and ZeRO-2); the checks below read their reports. Plan detection and
+dp_shard=2 x tp=2 under ZeRO-3 and ZeRO-2, then a user plan under pp=2 x tp=2); the checks below read
+their reports. Plan detection and
 the errors raised before any communication are tested in-process.
 """
 
@@ -32,7 +33,7 @@ TOLERANCE = {"sgd": 1e-5, "adamw": 1e-4}  # SGD+momentum tight; Adam amplifies r
 def _launch(tmp_path_factory, nproc: int) -> dict:
     out = tmp_path_factory.mktemp(f"tp{nproc}") / "report.json"
     launch_ok(WORKERS / "tensor_parallel_worker.py", nproc, out)
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "plan_pipeline": out.parent / "plan_pipeline"}
 
 
 @pytest.fixture(scope="module")
@@ -285,10 +286,10 @@ def test_user_plan_errors():
         FusedColwiseParallel(parts=1)
 
 
-def test_a_user_plan_under_pipeline_parallelism_gives_each_stage_its_own_keys(tmp_path):
+def test_a_user_plan_under_pipeline_parallelism_gives_each_stage_its_own_keys(report4):
     """pp=2 x tp=2 with a plan naming modules of both stages: every rank prepares (the first stage's
-    key no longer fails the other stage) and the first step's loss is the one-process loss."""
-    launch_ok(WORKERS / "tp_plan_pipeline_worker.py", 4, tmp_path, timeout=180)
+    key no longer fails the other stage) and the first step's loss is the one-process loss (in the
+    4-process launch, after its runs: tests/workers/tp_plan_pipeline_worker.py)."""
     for rank in range(4):
-        record = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        record = json.loads((report4["plan_pipeline"] / f"rank{rank}.json").read_text())
         assert abs(record["loss"] - record["reference"]) < 1e-5, record

@@ -10,7 +10,9 @@ sequence parallel, loss parallel, both, accumulation 2, a user plan, the built-i
 ColwiseParallel on c_attn (must NOT match: the fused q|k|v split matters), a Llama-like model (RMSNorm,
 separate q/k/v with grouped key/value heads, rotary positions, SwiGLU), and a DCP checkpoint saved under
 TP=2 and loaded into a plain model. At 4 processes: tp=4 on a 4-head GPT, dp_shard=2 x tp=2 with ZeRO-3
-and ZeRO-2 (+ accumulation 2 with sequence and loss parallel, + DCP), and the head-count error.
+and ZeRO-2 (+ accumulation 2 with sequence and loss parallel, + DCP), and the head-count error; then
+tp_plan_pipeline_worker.py's run (a user plan under pp=2 x tp=2), its files in OUT's folder's
+plan_pipeline/.
 
 Memory (AdamW, fp32, pure TP): per-rank bytes of parameters + gradients + AdamW moments from the local
 shards, with the parameters the plan leaves replicated (norms, row-parallel biases) counted in full.
@@ -430,6 +432,11 @@ def main() -> None:
                 }
             )
         )
+    if world == 4:
+        import tp_plan_pipeline_worker
+
+        (out.parent / "plan_pipeline").mkdir(exist_ok=True)
+        tp_plan_pipeline_worker.run(out.parent / "plan_pipeline")
 
 
 if __name__ == "__main__":

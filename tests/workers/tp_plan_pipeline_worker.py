@@ -1,6 +1,7 @@
-"""Launched by tests/test_tensor_parallel.py with 4 processes: a user tensor-parallel plan under
-pipeline x tensor parallelism (pp=2 x tp=2). The plan names modules of both stages, each key one
-stage's block; each stage takes the keys that are its own.
+"""A user tensor-parallel plan under pipeline x tensor parallelism (pp=2 x tp=2) on 4 processes: run by
+tests/workers/tensor_parallel_worker.py's 4-process launch after its own runs (`run(OUT_DIR)`), or
+launched alone. The plan names modules of both stages, each key one stage's block; each stage takes
+the keys that are its own.
 
 Usage: tp_plan_pipeline_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json with the first
 step's loss and the loss of the same step on one process with the whole model.
@@ -17,10 +18,9 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from unison import Accelerator, ParallelismConfig
 
 
-def main() -> None:
+def run(out: Path) -> None:
     """Inside a function, so every prepared model is freed before the interpreter's teardown: one left
     in a global can abort the process after its work is done (docs/failures.md)."""
-    out = Path(sys.argv[1])
     plan = {  # block 0 is the first stage's, block 1 the second's: each key names one stage's module
         f"transformer.h.{block}.mlp.{name}": style
         for block in (0, 1)
@@ -42,4 +42,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run(Path(sys.argv[1]))
