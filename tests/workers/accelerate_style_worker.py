@@ -18,6 +18,9 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
 - "sync_in_backward": trigger_sync_in_backward after forwards under no_sync (the gradients' mean over the
   processes), unwrap_model of a model compiled before prepare(), should_save_model;
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
+Before the group is destroyed, the same launch runs the file's shorter workers, each with the state
+reset first: on 2 processes static_graph_worker.py's run (OUT_DIR/static_graph.txt), on 3
+logging_worker.py's (OUT_DIR/log.txt).
 """
 
 import json
@@ -386,6 +389,17 @@ def main() -> None:
         p.name for p in out_dir.iterdir() if p.name.startswith(("own_", ".own"))
     )
     accelerator.wait_for_everyone()
+    world = accelerator.num_processes
+    if world in (2, 3):  # the file's shorter workers, in this launch: one launch fewer each
+        import logging_worker
+        import static_graph_worker
+
+        unison.AcceleratorState._reset_state()
+        unison.GradientState._reset_state()
+        if world == 2:
+            static_graph_worker.run(out_dir / "static_graph.txt")
+        else:
+            logging_worker.run(out_dir / "log.txt")
     state = accelerator.state  # as Accelerate's test scripts end: the shared state reset, then the group
     unison.AcceleratorState._reset_state()  # ended through the state object kept
     state.destroy_process_group()

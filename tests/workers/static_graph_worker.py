@@ -2,7 +2,9 @@
 
 torch's reducer cannot skip the all-reduce before a synchronised backward under static_graph, so
 unison synchronises the first micro-step (parallel/ddp.py); the parameters must still equal one
-process stepping on each window's samples at once. Process 0 writes the largest difference to argv[1].
+process stepping on each window's samples at once. Process 0 writes the largest difference to argv[1]
+(or to `run(PATH)`'s PATH: tests/workers/accelerate_style_worker.py calls it on 2 processes, after its
+own work, with the state reset).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ def make_model() -> nn.Module:
     return nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 1))
 
 
-def main() -> None:
+def run(out: Path) -> None:
     handlers = [DistributedDataParallelKwargs(static_graph=True)]
     accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUMULATION, kwargs_handlers=handlers)
     world, rank = accelerator.num_processes, accelerator.process_index
@@ -51,8 +53,8 @@ def main() -> None:
     trained = accelerator.unwrap_model(model).state_dict()
     difference = max((trained[k] - v).abs().max().item() for k, v in reference.state_dict().items())
     if accelerator.is_main_process:
-        Path(sys.argv[1]).write_text(str(difference))
+        out.write_text(str(difference))
 
 
 if __name__ == "__main__":
-    main()
+    run(Path(sys.argv[1]))
