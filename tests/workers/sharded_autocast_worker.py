@@ -5,11 +5,11 @@ tied embedding and head) and trains it 6 steps through the ordinary loop (prepar
 gradients reduced once per window, backward) under DDP, ZeRO-2 and ZeRO-3 in bf16, under DDP and ZeRO-3
 in fp16 (with the gradient scaler), and under ZeRO-3 in fp32 (for the all-gather bytes). Each run's
 consolidated parameters are compared with one process of plain torch under autocast (computed here, on
-every rank) and with the DDP run of the same precision; the dtypes that enter and leave the blocks (the
-residual stream) and the bytes each collective sends are recorded. Last, a model whose blocks read their
-norm's parameters themselves (as a fused add-and-norm kernel does, never calling the norm) trains and
-evaluates under DDP and ZeRO-3 in bf16. Process 0 writes a JSON report to argv[1]; argv[2:] are the
-depths.
+process 0, whose report is written) and with the DDP run of the same precision; the dtypes that enter
+and leave the blocks (the residual stream) and the bytes each collective sends are recorded. Last, a
+model whose blocks read their norm's parameters themselves (as a fused add-and-norm kernel does, never
+calling the norm) trains and evaluates under DDP and ZeRO-3 in bf16. Process 0 writes a JSON report to
+argv[1]; argv[2:] are the depths.
 
 Why no clipping, and sync_each_batch=False: both make FSDP2 add the same fp32 numbers in another order
 than DDP (the sharded total norm; reduce-scatters per micro-batch summed afterwards), and in half
@@ -133,7 +133,8 @@ def main() -> None:
     state = PartialState(cpu=True)
     report: dict = {}
     for depth in depths:
-        expected = {precision: reference(depth, precision) for precision in DTYPES}
+        # the report is process 0's: the others need no reference
+        expected = {precision: reference(depth, precision) for precision in DTYPES if state.is_main_process}
         for layout, precision in RUNS:
             parameters, sent, stream = train(depth, layout, precision)
             if layout == "ddp":
