@@ -57,8 +57,8 @@ def test_ctrl_c_during_an_asynchronous_save_finishes_it_and_the_last_line_says_s
     """Ctrl-C to `unison launch` 0.2 s after save_state(async_save=True) returned (2 processes, 100 MB of
     ballast, more on a busy machine: the write is still in flight then): the workers finish the checkpoint
     before they end, the launcher's last line names it as complete, and a fresh run (here, one process)
-    loads it with the parameters it saved. Before, the workers ended at once, and the line said nothing of the 23-123 MB
-    left in `.checkpoint_3.tmp`."""
+    loads it with the parameters it saved. Before, the workers ended at once, and the line said nothing of
+    the 23-123 MB left in `.checkpoint_3.tmp`."""
     checkpoint = tmp_path / "checkpoints" / "checkpoint_3"
     for ballast in BALLAST_MB:  # the line relayed late on a busy machine: more ballast, until it is in flight
         process, marker, complete_before = _interrupted_save(tmp_path, ballast)
