@@ -252,6 +252,7 @@ print(f"waited {time.perf_counter() - started:.1f}", flush=True)
 """
 
 
+@pytest.mark.serial  # asserts seconds, and keeps every core busy: alone, not beside the parallel part
 @needs_reversible_idle
 def test_a_wait_for_a_background_write_does_not_starve_beside_busy_cores(tmp_path):
     """A thread under SCHED_IDLE gets almost no CPU while other work keeps every core busy (a 336 MB write
