@@ -14,6 +14,7 @@
 # Each test's and each launch's time limit is scaled by how busy the machine is when a part starts
 # (tests/slowness.py: a workload timed against the idle machine's 0.25 s; UNISON_TEST_SLOWNESS=F sets the
 # factor): a busy machine gives a slower run, not timeouts. The seconds the serial tests assert are not scaled.
+# The parallel part lists its 30 slowest tests (--durations), where the suite's 20-minute budget goes.
 # Extra arguments go to pytest (both parts); UNISON_SKIP_FRESH_ENV=1 skips the fresh environment for a
 # quick local re-run (CI never sets it).
 set -euo pipefail
@@ -36,7 +37,7 @@ launchers_pid=$!
 run_part() { "$PY" -m pytest "$@" || { status=$?; [ "$status" -eq 5 ] || return "$status"; }; }
 
 parallel=0
-run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile -m "not serial and not cluster" "$@" || parallel=$?
+run_part -n "${UNISON_TEST_WORKERS:-2}" --dist loadfile --durations=30 -m "not serial and not cluster" "$@" || parallel=$?
 fresh=0
 if [ -n "$fresh_pid" ]; then
   wait "$fresh_pid" || fresh=$?
