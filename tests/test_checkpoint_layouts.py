@@ -11,6 +11,7 @@ where the uninterrupted run did (SGD+momentum, so the momentum buffers crossed t
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -170,3 +171,22 @@ def test_the_export_command_writes_bf16_shards_under_accelerates_name(saved, tmp
     )
     assert missing.returncode == 1 and missing.stderr.count("\n") == 1, missing.stderr
     assert f"no checkpoint at {tmp_path / 'nothing'}" in missing.stderr
+
+
+@pytest.mark.parametrize("umask", [0o022, 0o027])
+def test_written_weights_are_readable_as_the_umask_says_not_by_their_owner_alone(tmp_path, umask):
+    """safetensors creates its files 0600; transformers' save_pretrained leaves them readable by the group
+    (0644 under the usual umask 022): the exported folder, its shards and save_model's file are made what
+    `open()` would have made them (in-process: no launch needed for the file mode)."""
+    from unison.checkpoint.weights import split_into_shards, write_shards, write_weights
+
+    state = {"a.weight": torch.ones(64, 64), "b.weight": torch.zeros(64, 64)}
+    previous = os.umask(umask)
+    try:
+        single = write_weights(state, tmp_path / "one")
+        index = write_shards(split_into_shards(state, 20_000), tmp_path / "shards", safe_serialization=True)
+    finally:
+        os.umask(previous)
+    files = [single, *(path for path in index.parent.iterdir() if path.suffix == ".safetensors")]
+    assert len(files) == 3
+    assert {oct(path.stat().st_mode & 0o777) for path in files} == {oct(0o666 & ~umask)}

@@ -52,7 +52,27 @@ def write_weights(
         return path
     path = directory / SAFETENSORS_FILE
     safetensors_save_model()(_StateDictHolder(state_dict), str(path))
+    readable_as_created(path)
     return path
+
+
+def readable_as_created(path: Path) -> None:
+    """Give a file safetensors wrote the permissions `open()` gives a new file (0666 less the umask:
+    group- and world-readable under the usual 022), as transformers' save_pretrained leaves its weights.
+    safetensors creates them 0600, readable by their owner alone: a team's shared model folder would
+    not open for the others."""
+    path.chmod(0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read where Linux shows it (setting it to read it back is not thread-safe)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    return 0o022
 
 
 def save_on_main_process(
@@ -73,6 +93,7 @@ def save_on_main_process(
             f"got a {type(obj).__name__}. Pass a state dict, or safe_serialization=False for torch.save."
         )
     safetensors_save_model()(_StateDictHolder(obj), os.fspath(f))  # tied tensors once, as save_model
+    readable_as_created(Path(f))
 
 
 def safetensors_save_model() -> Callable[..., None]:
@@ -261,6 +282,7 @@ def write_shards(shards: list[dict[str, torch.Tensor]], directory: Path, safe_se
             from safetensors.torch import save_file
 
             save_file(shard, str(directory / file_name), metadata={"format": "pt"})
+            readable_as_created(directory / file_name)
         else:
             torch.save(shard, directory / file_name)
         weight_map.update(dict.fromkeys(shard, file_name))
