@@ -3,6 +3,7 @@
 import copy
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -378,3 +379,29 @@ def test_single_process_accelerator_with_zero3_trains_as_plain_torch(fresh_state
             opt.zero_grad()
     for mine, theirs in zip(model.parameters(), reference.parameters()):
         assert torch.equal(mine, theirs)
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("ddp", "ddp"),
+        ("zero3", "zero3"),
+        ("dataparallel", "dataparallel"),
+        ("zero3,offload=true", "zero_stage=3,offload=true"),
+        ("tp_size=2,dp_shard_size=2", "dp_shard_size=2,tp_size=2"),
+        ("pp_size=2,pp_schedule=gpipe,pp_microbatches=4", "pp_size=2,pp_schedule=gpipe,pp_microbatches=4"),
+        ("tp_size=2,sequence_parallel=true", "tp_size=2,sequence_parallel=true"),
+        ("ep_size=2,activation_checkpointing=full", "ep_size=2,activation_checkpointing=full"),
+    ],
+)
+def test_a_config_gives_the_string_that_reads_back_as_its_layout(text, expected):
+    """What `unison plan` prints to paste after --parallelism; a validated config's degrees of 1 left out."""
+    config = ParallelismConfig.from_string(text)
+    assert config.to_string() == expected
+    assert ParallelismConfig.from_string(expected) == config
+    if config.legacy_data_parallel:  # one process over every GPU: no world size to validate against
+        return
+    degrees = (config.dp_shard_size, config.tp_size, config.pp_size, config.ep_size)
+    world = math.prod(degree or 1 for degree in degrees)
+    validated = config.validate(world)
+    assert ParallelismConfig.from_string(validated.to_string()).validate(world) == validated

@@ -4,7 +4,6 @@ global batch is given (unison.planning.cost_model), else the first that fits in 
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 from typing import TYPE_CHECKING
@@ -265,11 +264,7 @@ def format_plan(target: str, plan: Plan) -> str:
         if workload.micro_batch_size
         else ", model state only (no --micro-batch-size/--seq-len)"
     )
-    config_fields = ", ".join(
-        f"{field.name}={getattr(plan.config, field.name)!r}"
-        for field in dataclasses.fields(plan.config)
-        if field.name not in ("tp_plan", "pp_split_points")
-    )
+    layout = plan.config.to_string()  # what the user pastes
     lines = [
         f"{target}: {plan.model.describe()}",
         f"hardware: {plan.hardware.describe()}",
@@ -277,7 +272,7 @@ def format_plan(target: str, plan: Plan) -> str:
         + (", activation checkpointing" if workload.activation_checkpointing else ""),
         "",
         f"recommended: {plan.config.describe()}",
-        f"  ParallelismConfig({config_fields})",
+        f"  --parallelism {layout}   (in code: Accelerator(parallelism={layout!r}))",
         "",
         "memory per device"
         + (

@@ -155,6 +155,25 @@ class ParallelismConfig:
                 fields[name] = _parse_int(text, name, raw)
         return cls(**fields)
 
+    def to_string(self) -> str:
+        """The `parallelism=` / `--parallelism` string `from_string` reads back as this config: "ddp", a
+        ZeRO shorthand, or the FIELD=VALUE pairs that differ from the defaults (a degree of 1 is the
+        default's). A tensor-parallel plan and pipeline split points need code, and are left out."""
+        defaults = type(self)()
+        changed = {
+            name: getattr(self, name)
+            for name in _SCALAR_FIELDS
+            if getattr(self, name) != getattr(defaults, name)
+            and not (name in DEGREE_FIELDS and getattr(self, name) == 1)
+        }
+        if self.legacy_data_parallel:
+            return "dataparallel"
+        if not changed:
+            return "ddp"
+        if list(changed) == ["zero_stage"]:
+            return f"zero{self.zero_stage}"
+        return ",".join(f"{name}={str(value).lower()}" for name, value in changed.items())
+
     @classmethod
     def coerce(cls, value: ParallelismConfig | str | None) -> ParallelismConfig:
         """Accept a config, a string for `from_string`, or None (plain DDP)."""
