@@ -548,3 +548,18 @@ def test_unison_launch_refuses_to_be_one_of_several_launchers_that_would_form_se
             refuse_several_launchers(env, launch_options.parse_nnodes(nnodes)[1])
     else:
         refuse_several_launchers(env, launch_options.parse_nnodes(nnodes)[1])
+
+
+def test_a_misspelled_layout_is_refused_in_one_line_before_torch_is_imported():
+    """`--parallelism tp_sise=2` ends with status 2 and the one line that names the field, before the
+    launcher imports torch (26-29 s on a busy machine) and without the 30 lines of usage."""
+    probe = (
+        "import sys\nfrom unison.commands.main import main\n"
+        "try:\n    main(['launch', '--nproc-per-node', '2', '--parallelism', 'tp_sise=2', 'train.py'])\n"
+        "except SystemExit as stop:\n    print(stop.code, 'torch' in sys.modules)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=budget(60))
+    assert result.stdout.split() == ["2", "False"], (result.stdout, result.stderr)
+    lines = result.stderr.strip().splitlines()
+    assert lines[0].startswith("unison launch: error: --parallelism: parallelism='tp_sise=2': 'tp_sise=2' is")
+    assert lines[1:] == ["(`unison launch --help` lists every flag)"] and "usage:" not in result.stderr

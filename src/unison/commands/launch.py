@@ -11,6 +11,7 @@ from ..launching.cpu_processes import MAX_AUTO_CPU_PROCESSES
 from ..launching.errors import ConfigError, LaunchError
 from ..launching.plugin_flags import add_plugin_flags
 from ..numerics import check_numerics
+from ..parallel.config import ParallelismConfig, is_auto
 from .launch_config_flags import add_config_flag, apply_config_file, file_note
 
 if TYPE_CHECKING:
@@ -281,12 +282,26 @@ def options_from_args(args: argparse.Namespace) -> LaunchOptions:
 
 
 def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    # The launcher imports torch.distributed.run: loaded when a launch runs, not for `--help`.
-    from ..launching.launcher import launch
-
     sources = None
     try:
         sources = apply_config_file(args)
+        _check_layout(args.parallelism)
+        # The launcher imports torch.distributed.run (seconds, more on a busy machine): loaded when a
+        # launch runs, after the cheap checks, and not for `--help`.
+        from ..launching.launcher import launch
+
         return launch(options_from_args(args), sources=sources)
     except (LaunchError, ConfigError) as error:  # exits with status 2, before any process started
-        parser.error(str(error) + (file_note(sources) if sources else ""))
+        # A value the flags' syntax accepted: the one line that says what is wrong, not the usage.
+        message = str(error) + (file_note(sources) if sources else "")
+        parser.exit(2, f"{parser.prog}: error: {message}\n(`{parser.prog} --help` lists every flag)\n")
+
+
+def _check_layout(parallelism: str | None) -> None:
+    """A misspelled --parallelism, refused before torch is imported."""
+    if parallelism is None or is_auto(parallelism):
+        return
+    try:
+        ParallelismConfig.from_string(parallelism)
+    except ValueError as error:
+        raise LaunchError(f"--parallelism: {error}") from None
