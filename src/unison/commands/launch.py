@@ -294,7 +294,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     except (LaunchError, ConfigError) as error:  # exits with status 2, before any process started
         # A value the flags' syntax accepted: the one line that says what is wrong, not the usage.
         message = str(error) + (file_note(sources) if sources else "")
-        parser.exit(2, f"{parser.prog}: error: {message}\n(`{parser.prog} --help` lists every flag)\n")
+        parser.exit(2, f"{parser.prog}: error: {message}\n")
 
 
 def _check_layout(parallelism: str | None) -> None:
