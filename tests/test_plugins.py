@@ -144,6 +144,23 @@ def test_deepspeed_plugin_and_config_map_stage_precision_and_accumulation(tmp_pa
     )
 
 
+def test_deepspeed_plugin_exposes_its_config_as_accelerates_does(tmp_path):
+    """transformers' no_trainer scripts pick their optimizer by `"optimizer" in plugin.deepspeed_config`:
+    the config given (file or dict), else the one Accelerate builds from the fields."""
+    config = {"zero_optimization": {"stage": 3}, "gradient_accumulation_steps": 4}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    for source in (config, str(path)):
+        exposed = DeepSpeedPlugin(hf_ds_config=source).deepspeed_config
+        assert exposed == config and "optimizer" not in exposed
+    plugin = DeepSpeedPlugin(zero_stage=3, gradient_accumulation_steps=2, gradient_clipping=1.0)
+    built = plugin.deepspeed_config
+    assert built["zero_optimization"]["stage"] == 3 and built["gradient_accumulation_steps"] == 2
+    assert built["gradient_clipping"] == 1.0 and built["train_micro_batch_size_per_gpu"] == "auto"
+    assert DeepSpeedPlugin().deepspeed_config["zero_optimization"]["stage"] == 2  # Accelerate's default
+    assert "optimizer" not in DeepSpeedPlugin().deepspeed_config
+
+
 @pytest.mark.parametrize(
     ("fields", "message"),
     [

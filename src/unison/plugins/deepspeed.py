@@ -125,6 +125,29 @@ class DeepSpeedPlugin:
         parallelism = ParallelismConfig(zero_stage=stage) if stage else ParallelismConfig()
         return PluginLayout(parallelism, _config_precision(config), self._accumulation(config))
 
+    @property
+    def deepspeed_config(self) -> dict[str, Any]:
+        """The DeepSpeed config as Accelerate's plugin exposes it: the hf_ds_config given (a copy), else
+        the one Accelerate builds from the fields. Scripts read it, e.g. transformers' no_trainer
+        examples choose their optimizer by `"optimizer" in plugin.deepspeed_config` (never here: unison
+        refuses that section and steps the torch optimizer you prepare)."""
+        if self.hf_ds_config is not None:
+            return json.loads(json.dumps(self._config()))
+        config: dict[str, Any] = {
+            "train_batch_size": "auto",
+            "train_micro_batch_size_per_gpu": "auto",
+            "gradient_accumulation_steps": self.gradient_accumulation_steps or 1,
+            "zero_optimization": {
+                "stage": 2 if self.zero_stage is None else self.zero_stage,
+                "offload_optimizer": {"device": self.offload_optimizer_device or "none"},
+                "offload_param": {"device": self.offload_param_device or "none"},
+                "stage3_gather_16bit_weights_on_model_save": bool(self.zero3_save_16bit_model),
+            },
+        }
+        if self.gradient_clipping:
+            config["gradient_clipping"] = self.gradient_clipping
+        return config
+
     def _config(self) -> dict[str, Any]:
         source = self.hf_ds_config
         if source is None:
