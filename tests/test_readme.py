@@ -1,6 +1,6 @@
 """README.md stays a front door: one screen to the first run, every capability one row linking to its guide.
 
-Measurements and proofs live in the docs pages (docs/status.md, docs/index.md, docs/torch-versions.md);
+Measurements and proofs live in the docs pages (docs/status.md, docs/test-suite.md, docs/torch-versions.md);
 the README only points at them, so these checks hold it to its shape and to what the demo really prints.
 The commands it shows are run by tests/test_docs_commands.py.
 """
