@@ -139,6 +139,7 @@ def test_tensorboard_event_files_hold_the_scalars_text_and_hyperparameters(tmp_p
     session = events.summary_metadata["_hparams_/session_start_info"].plugin_data.content
     hparams = plugin_data_pb2.HParamsPluginData.FromString(session).session_start_info.hparams
     assert (hparams["lr"].number_value, hparams["optimizer"].string_value) == (0.5, "adamw")
+    assert len(list((tmp_path / "exp").iterdir())) == 1  # one event file: one writer, one run
 
 
 def test_a_tracker_whose_library_is_missing_names_the_extra(tmp_path, monkeypatch):

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.utils.tensorboard import SummaryWriter
+from torch.utils.tensorboard.summary import hparams
 
 from .base import GeneralTracker, on_host
 
@@ -30,8 +31,11 @@ class TensorBoardTracker(GeneralTracker):
         return self.writer
 
     def store_init_configuration(self, values: dict[str, Any]) -> None:
-        hparams = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
-        self.writer.add_hparams(hparams, metric_dict={}, run_name=".")
+        """The configuration as TensorBoard's hyperparameters of this run, in the run's own event file:
+        `add_hparams` would open a second writer (a second event file, or another run's folder)."""
+        plain = {k: v if isinstance(v, (int, float, str, bool)) else str(v) for k, v in values.items()}
+        for summary in hparams(plain, metric_dict={}):  # the experiment, session start and end
+            self.writer.file_writer.add_summary(summary)
         self.writer.flush()
 
     def log(self, values: dict[str, Any], step: int | None = None, **kwargs: Any) -> None:
