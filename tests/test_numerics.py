@@ -61,6 +61,11 @@ def test_one_process_default_and_switch(fresh_state):
     assert _kinds(default["lines"]) == ["window"], default["lines"]
     assert "after 1 of 2 micro-batches" in default["lines"][0]
 
+    chosen = train(numerics="unison")  # a script that chose unison's rules is told nothing
+    assert chosen["numerics"] == "unison" and chosen["lines"] == [], chosen["lines"]
+    assert "For scripts written for Hugging Face Accelerate: " in default["lines"][0]
+    assert "numerics='unison' to keep these and silence this note" in default["lines"][0]
+
     switched = train(numerics="accelerate")
     model, lr = reference("accelerate", 1)
     assert (

@@ -188,6 +188,7 @@ def main() -> None:
     accelerator = Accelerator(
         gradient_accumulation_steps=args.grad_accum,
         project_config=ProjectConfiguration(project_dir=args.project_dir),
+        numerics="unison",  # unison's numbers, chosen: no notes for scripts that came from Accelerate
     )
     checkpoint = find_checkpoint(args.init_from)
     model = load_gpt(checkpoint, args.n_head)

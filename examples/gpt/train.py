@@ -185,6 +185,7 @@ def main() -> None:
         cpu=args.cpu or None,
         project_config=ProjectConfiguration(project_dir=args.project_dir, total_limit=2),
         log_with="jsonl",
+        numerics="unison",  # unison's numbers, chosen: no notes for scripts that came from Accelerate
     )
     # Identical initial weights on every process; the shuffle is the plain DataLoader's, drawn from
     # process 0's generator and shared by all (docs/data-order.md).

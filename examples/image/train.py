@@ -94,6 +94,7 @@ def main() -> None:
         cpu=args.cpu or None,
         log_with="jsonl",
         project_config=ProjectConfiguration(project_dir=args.project_dir, total_limit=2),
+        numerics="unison",  # unison's numbers, chosen: no notes for scripts that came from Accelerate
     )
     set_seed(args.seed)  # identical initial weights on every process, and the shuffle's seed
 

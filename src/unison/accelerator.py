@@ -45,7 +45,7 @@ from .kwargs_handlers import (
     check_process_group_kwargs,
     sort_kwargs_handlers,
 )
-from .numerics import NumericsNotice, resolve_numerics
+from .numerics import NumericsNotice, chosen_numerics, resolve_numerics
 from .observing.profiling import profile
 from .observing.tracking.base import GeneralTracker, LoggerType, resolve_log_with
 from .observing.tracking.methods import TrackingMethods
@@ -126,6 +126,7 @@ class Accelerator(
         numerics: str | None = None,
     ):
         check_convert_outputs(convert_outputs_to_fp32)  # before any state exists, on every process
+        chosen = chosen_numerics(numerics)
         numerics, overridden = resolve_numerics(numerics)  # a bad value fails here, on every process
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps, plugin = resolve_plugins(
@@ -162,7 +163,7 @@ class Accelerator(
             handlers.get(InitProcessGroupKwargs), self.state.backend, self.state.device
         )
         self.gradient_state = GradientState(gradient_accumulation_steps=self.gradient_accumulation_steps)
-        self._numerics = NumericsNotice(numerics, self.state.is_main_process)  # numerics.py
+        self._numerics = NumericsNotice(numerics, self.state.is_main_process, chosen)  # numerics.py
         if overridden is not None and self.is_main_process:
             logger.warning(overridden)
         self.device_placement = device_placement

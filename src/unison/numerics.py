@@ -50,6 +50,13 @@ def check_numerics(value: object, where: str) -> str:
     return value.strip().lower()
 
 
+def chosen_numerics(numerics: str | None) -> bool:
+    """Whether the script (the argument) or its environment (UNISON_NUMERICS) chose a convention: a run
+    that chose one, unison's included, is told nothing about Accelerate's numbers."""
+    raw = os.environ.get(env_vars.NUMERICS)
+    return numerics is not None or (raw is not None and bool(raw.strip()))
+
+
 def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
     """The run's convention and, when the code overrides UNISON_NUMERICS, the line that says so.
 
@@ -70,11 +77,14 @@ def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
 
 
 class NumericsNotice:
-    """One run's convention, and which differences it has already reported (each at most once)."""
+    """One run's convention, and which differences it has already reported (each at most once). The
+    notices are for scripts that came from Accelerate and did not choose: `chosen` (numerics= given, or
+    UNISON_NUMERICS set) silences them."""
 
-    def __init__(self, numerics: str, is_main_process: bool):
+    def __init__(self, numerics: str, is_main_process: bool, chosen: bool = False):
         self.numerics = numerics
         self.is_main_process = is_main_process
+        self.chosen = chosen
         self._said: set[str] = set()
 
     @property
@@ -84,12 +94,14 @@ class NumericsNotice:
 
     def differs(self, convention: str, what: str) -> None:
         """Under unison's numbers, say `what` (how this number differs from Accelerate's) once."""
-        if self.accelerate or convention in self._said:
+        if self.accelerate or self.chosen or convention in self._said:
             return
         self._said.add(convention)
         if self.is_main_process:
             logger.warning(
-                "%s Set %s=accelerate (or Accelerator(numerics='accelerate')) for Accelerate's numbers "
+                "For scripts written for Hugging Face Accelerate: %s Nothing is wrong otherwise. Set "
+                "%s=accelerate (or Accelerator(numerics='accelerate')) for Accelerate's numbers, or "
+                "numerics='unison' to keep these and silence this note "
                 "(docs/migrating-from-accelerate.md, deliberate differences).",
                 what,
                 env_vars.NUMERICS,
