@@ -10,13 +10,12 @@ process 0 reading for everyone is `dispatch`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
-import torch
 from torch.utils.data import DataLoader
 
-from .loader import LoaderProgress, PreparedDataLoader, find_in_chain, reads_through, skipping_loader
+from .loader import PreparedDataLoader, find_in_chain, reads_through, skipping_loader
 from .sharding import BatchSamplerShard, IterableDatasetShard, SamplerShard
 
 
@@ -27,26 +26,6 @@ class DataLoaderShard(PreparedDataLoader):
     other settings, with a BatchSamplerShard (map-style data) or an IterableDatasetShard (iterable
     data) deciding which samples this process reads.
     """
-
-    def __init__(
-        self,
-        dataset: Any,
-        device: torch.device | str | None = None,
-        rng_types: Sequence[str] | None = None,
-        skip_batches: int = 0,
-        non_blocking: bool = False,
-        progress: LoaderProgress | None = None,
-        **kwargs: Any,
-    ):
-        super().__init__(
-            dataset,
-            device=device,
-            non_blocking=non_blocking,
-            rng_types=rng_types,
-            skip_batches=skip_batches,
-            progress=progress,
-            **kwargs,
-        )
 
     def _shard(self) -> BatchSamplerShard | None:
         if find_in_chain(self._index_sampler, SamplerShard) is not None:
