@@ -45,7 +45,7 @@ from .kwargs_handlers import (
     check_process_group_kwargs,
     sort_kwargs_handlers,
 )
-from .numerics import NumericsNotice, chosen_numerics, resolve_numerics
+from .numerics import NumericsNotice, resolve_numerics
 from .observing.profiling import profile
 from .observing.tracking.base import GeneralTracker, LoggerType, resolve_log_with
 from .observing.tracking.methods import TrackingMethods
@@ -126,8 +126,7 @@ class Accelerator(
         numerics: str | None = None,
     ):
         check_convert_outputs(convert_outputs_to_fp32)  # before any state exists, on every process
-        chosen = chosen_numerics(numerics)
-        numerics, overridden = resolve_numerics(numerics)  # a bad value fails here, on every process
+        numerics, chosen, overridden = resolve_numerics(numerics)  # a bad value fails here, on every process
         # Accelerate's FSDP / DeepSpeed plugins name a layout (plus precision and accumulation): plugins/
         parallelism, mixed_precision, gradient_accumulation_steps, plugin = resolve_plugins(
             (fsdp_plugin, deepspeed_plugin, deepspeed_plugins),

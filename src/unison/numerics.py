@@ -50,15 +50,10 @@ def check_numerics(value: object, where: str) -> str:
     return value.strip().lower()
 
 
-def chosen_numerics(numerics: str | None) -> bool:
-    """Whether the script (the argument) or its environment (UNISON_NUMERICS) chose a convention: a run
-    that chose one, unison's included, is told nothing about Accelerate's numbers."""
-    raw = os.environ.get(env_vars.NUMERICS)
-    return numerics is not None or (raw is not None and bool(raw.strip()))
-
-
-def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
-    """The run's convention and, when the code overrides UNISON_NUMERICS, the line that says so.
+def resolve_numerics(numerics: str | None) -> tuple[str, bool, str | None]:
+    """The run's convention, whether the script or its environment chose it (a run that chose one,
+    unison's included, is told nothing about Accelerate's numbers), and, when the code overrides
+    UNISON_NUMERICS, the line that says so.
 
     The variable is always read (and a bad value refused, on every process); a code argument given
     wins over it, as every Accelerator argument wins over its UNISON_* variable (env_vars).
@@ -66,14 +61,18 @@ def resolve_numerics(numerics: str | None) -> tuple[str, str | None]:
     raw = os.environ.get(env_vars.NUMERICS)
     exported = check_numerics(raw, env_vars.NUMERICS) if raw is not None and raw.strip() else None
     if numerics is None:
-        return exported or UNISON, None
+        return exported or UNISON, exported is not None, None
     chosen = check_numerics(numerics, "numerics")
     if exported is not None and exported != chosen:
-        return chosen, (
-            f"Accelerator(numerics={chosen!r}) overrides {env_vars.NUMERICS}={exported}: the argument in "
-            f"code wins. Remove it from the script to let {env_vars.NUMERICS} choose."
+        return (
+            chosen,
+            True,
+            (
+                f"Accelerator(numerics={chosen!r}) overrides {env_vars.NUMERICS}={exported}: the argument in "
+                f"code wins. Remove it from the script to let {env_vars.NUMERICS} choose."
+            ),
         )
-    return chosen, None
+    return chosen, True, None
 
 
 class NumericsNotice:
