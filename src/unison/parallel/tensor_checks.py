@@ -226,11 +226,7 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
             owner = name.rpartition(".")[0]
             module = model.get_submodule(join_names(parent, owner) if owner else parent)
             count = next((count for count in counts if count in parameter.shape), None)
-            if (
-                count is None
-                or id(module) in planned
-                or _inside_planned(model.get_submodule(parent), owner, planned)
-            ):
+            if count is None or _inside_planned(model.get_submodule(parent), owner, planned):
                 continue
             how = (
                 f" ({join_names(parent, owner)!r}: ColwiseParallel() splits an nn.Embedding's columns)"
@@ -247,10 +243,13 @@ def _check_per_head_parameters(model: nn.Module, plan: Mapping[str, ParallelStyl
 
 
 def _inside_planned(parent: nn.Module, owner: str, planned: set[int]) -> bool:
-    """Whether the module at `owner` (under `parent`) or one of its ancestors below `parent` is planned:
-    a PEFT adapter's r-wide A and B inside a planned wrapper are placed with it (tensor_adapters)."""
+    """Whether the module at `owner` (under `parent`; "" is `parent` itself) or one of its ancestors
+    below `parent` is planned: a PEFT adapter's r-wide A and B inside a planned wrapper are placed with
+    it (tensor_adapters). `parent`'s own entry (PrepareModuleInput under sequence parallel) covers only
+    its own parameters."""
     parts = owner.split(".") if owner else []
-    return any(id(parent.get_submodule(".".join(parts[:end]))) in planned for end in range(1, len(parts) + 1))
+    ends = range(1, len(parts) + 1) if parts else [0]
+    return any(id(parent.get_submodule(".".join(parts[:end]))) in planned for end in ends)
 
 
 def check_tensor_parallel(
