@@ -3,10 +3,13 @@
 Every table row names Accelerate 1.15 names (first column) and a verdict (second column): rows marked
 `same` or `different` must exist in unison where the table says (Accelerator members, constructor
 arguments, state members, `unison` / `unison.utils` names, `unison launch` flags); rows marked
-`not applicable` or `not yet` must not, so the page is corrected when someone adds one. Every public
+`not applicable` or `not yet` must not, so the page is corrected when someone adds one, except the
+names of Accelerate's modules (`accelerate`, `accelerate.utils`, ...): those import anyway, as stand-ins
+that raise the row's note when used (unison/accelerate_names.py holds the same notes). Every public
 name of unison's Accelerator, `unison` and `unison.utils` must appear on the page, and every name of
-the frozen Accelerate 1.15 inventory below must have a row, so neither side can drift silently. The
-page's Python example runs as written.
+the Accelerate 1.15 inventory (generated: unison/accelerate_inventory.py; frozen below for the
+Accelerator, the state classes and the launch flags) must have a row, so neither side can drift
+silently. The page's Python examples run as written.
 """
 
 from __future__ import annotations
@@ -24,6 +27,8 @@ from launching import REPO_ROOT
 import unison
 import unison.utils
 from unison import Accelerator, GradientState, PartialState, env_vars
+from unison.accelerate_inventory import PUBLIC_NAMES
+from unison.accelerate_names import NOTE_OF, NotInUnisonError, accelerate_names, is_stand_in
 from unison.commands.main import build_parser
 
 PAGE = REPO_ROOT / "docs" / "migrating-from-accelerate.md"
@@ -83,83 +88,15 @@ ACCELERATE_STATE_MEMBERS = {
         sync_gradients
     """.split(),
 }
-# `accelerate.utils.__all__`-equivalent: every public name accelerate/utils/__init__.py imports.
-ACCELERATE_UTILS = """
-    ParallelismConfig convert_model_to_fp8_ao filter_first_and_last_linear_layers has_ao_layers
-    MITA_PROFILING_AVAILABLE_PYTORCH_VERSION MODEL_NAME OPTIMIZER_NAME PROFILE_PATTERN_NAME
-    RNG_STATE_NAME SAFE_MODEL_NAME SAFE_WEIGHTS_INDEX_NAME SAFE_WEIGHTS_NAME
-    SAFE_WEIGHTS_PATTERN_NAME SAMPLER_NAME SCALER_NAME SCHEDULER_NAME
-    TORCH_DISTRIBUTED_OPERATION_TYPES TORCH_LAUNCH_PARAMS WEIGHTS_INDEX_NAME WEIGHTS_NAME
-    WEIGHTS_PATTERN_NAME XPU_PROFILING_AVAILABLE_PYTORCH_VERSION AORecipeKwargs AutocastKwargs
-    BnbQuantizationConfig ComputeEnvironment CustomDtype DataLoaderConfiguration
-    DDPCommunicationHookType DeepSpeedPlugin DeepSpeedSequenceParallelConfig
-    DistributedDataParallelKwargs DistributedType DynamoBackend FP8RecipeKwargs
-    FullyShardedDataParallelPlugin GradientAccumulationPlugin GradScalerKwargs
-    InitProcessGroupKwargs KwargsHandler LoggerType MegatronLMPlugin MSAMPRecipeKwargs PrecisionType
-    ProfileKwargs ProjectConfiguration RNGType SageMakerDistributedType TensorInformation
-    TERecipeKwargs TorchContextParallelConfig TorchDynamoPlugin TorchTensorParallelConfig
-    TorchTensorParallelPlugin add_model_config_to_megatron_parser are_libraries_initialized
-    check_cuda_fp8_capability check_cuda_p2p_ib_support clear_environment
-    convert_dict_to_env_variables get_cpu_distributed_information get_current_device_type
-    get_gpu_info get_int_from_env parse_choice_from_env parse_flag_from_env patch_environment
-    purge_accelerate_environment set_numa_affinity str_to_bool deepspeed_required
-    is_4bit_bnb_available is_8bit_bnb_available is_aim_available is_amdsmi_available
-    is_bf16_available is_bitsandbytes_multi_backend_available is_bnb_available is_boto3_available
-    is_clearml_available is_comet_ml_available is_cuda_available is_datasets_available
-    is_deepspeed_available is_dvclive_available is_fp8_available is_fp16_available is_habana_gaudi1
-    is_hpu_available is_import_timer_available is_lomo_available is_matplotlib_available
-    is_megatron_lm_available is_mlflow_available is_mlu_available is_mps_available
-    is_msamp_available is_musa_available is_neuron_available is_npu_available is_pandas_available
-    is_peft_available is_pippy_available is_pynvml_available is_pytest_available is_rich_available
-    is_rocm_available is_sagemaker_available is_schedulefree_available is_sdaa_available
-    is_swanlab_available is_tensorboard_available is_timm_available is_torch_xla_available
-    is_torchao_available is_torchdata_available is_torchdata_stateful_dataloader_available
-    is_torchvision_available is_trackio_available is_transformer_engine_available
-    is_transformer_engine_mxfp8_available is_transformers_available is_triton_available
-    is_wandb_available is_weights_only_available is_xccl_available is_xpu_available torchao_required
-    align_module_device calculate_maximum_sizes check_device_map check_tied_parameters_in_config
-    check_tied_parameters_on_same_device compute_module_sizes convert_file_size_to_int
-    dtype_byte_size find_tied_parameters get_balanced_memory get_grad_scaler get_max_layer_size
-    get_max_memory get_mixed_precision_context_manager has_offloaded_params id_tensor_storage
-    infer_auto_device_map is_peft_model load_checkpoint_in_model load_offloaded_weights
-    load_state_dict named_module_tensors retie_parameters set_module_tensor_to_device
-    OffloadedWeightsLoader PrefixedDataset extract_submodules_state_dict load_offloaded_weight
-    offload_state_dict offload_weight save_offload_index CannotPadNestedTensorWarning
-    GatheredParameters broadcast broadcast_object_list concatenate convert_outputs_to_fp32
-    convert_to_fp32 copy_tensor_to_devices find_batch_size find_device gather gather_object
-    get_data_structure honor_type ignorant_find_batch_size initialize_tensors is_namedtuple
-    is_tensor_information is_torch_tensor listify pad_across_processes pad_input_tensors
-    recursively_apply reduce send_to_device slice_tensors compare_versions is_torch_version
-    has_4bit_bnb_layers load_and_quantize_model disable_fsdp_ram_efficient_loading
-    enable_fsdp_ram_efficient_loading ensure_weights_retied fsdp2_apply_ac fsdp2_canonicalize_names
-    fsdp2_load_full_state_dict fsdp2_prepare_model fsdp2_switch_optimizer_parameters
-    get_fsdp2_grad_scaler load_fsdp_model load_fsdp_optimizer merge_fsdp_weights save_fsdp_model
-    save_fsdp_optimizer PrepareForLaunch prepare_deepspeed_cmd_env prepare_multi_gpu_env
-    prepare_sagemager_args_inputs prepare_simple_launcher_cmd_env prepare_tpu AbstractTrainStep
-    BertTrainStep GPTTrainStep MegatronLMDummyDataLoader MegatronLMDummyScheduler T5TrainStep
-    avg_losses_across_data_parallel_group find_executable_batch_size release_memory check_os_kernel
-    clean_state_dict_for_safetensors compile_regions compile_regions_deepspeed compile_regions_fsdp2
-    convert_bytes extract_model_from_parallel get_model_tp_size get_module_children_bottom_up
-    get_pretty_name has_compiled_regions is_compiled_module is_port_in_use load merge_dicts
-    model_has_dtensor recursive_getattr save wait_for_everyone write_basic_config set_seed
-    synchronize_rng_state synchronize_rng_states install_xla tqdm apply_fp8_autowrap
-    contextual_fp8_autocast convert_model has_transformer_engine_layers DeepSpeedEngineWrapper
-    DeepSpeedOptimizerWrapper DeepSpeedSchedulerWrapper DummyOptim DummyScheduler HfDeepSpeedConfig
-    get_active_deepspeed_plugin map_pytorch_optim_to_deepspeed MegatronEngine
-    MegatronLMOptimizerWrapper MegatronLMSchedulerWrapper gather_across_data_parallel_groups
-    megatron_lm_initialize megatron_lm_prepare_data_loader
-    megatron_lm_prepare_model_optimizer_scheduler megatron_lm_prepare_optimizer
-    megatron_lm_prepare_scheduler
-""".split()
-ACCELERATE_TOP_LEVEL = """
-    Accelerator cpu_offload cpu_offload_with_hook disk_offload dispatch_model init_empty_weights
-    init_on_device load_checkpoint_and_dispatch skip_first_batches prepare_pippy debug_launcher
-    notebook_launcher ParallelismConfig PartialState AutocastKwargs DataLoaderConfiguration
-    DDPCommunicationHookType DeepSpeedPlugin DistributedDataParallelKwargs DistributedType
-    FullyShardedDataParallelPlugin GradScalerKwargs InitProcessGroupKwargs ProfileKwargs
-    find_executable_batch_size infer_auto_device_map is_rich_available load_checkpoint_in_model
-    synchronize_rng_states rich __version__
-""".split()
+# Accelerate's module-level names: generated from the package (scripts/accelerate_public_names.py); the
+# top level also has `__version__` and the module `rich`, which the inventory's rule leaves out.
+ACCELERATE_UTILS = accelerate_names("unison.utils")
+ACCELERATE_TOP_LEVEL = [*accelerate_names("unison"), "__version__", "rich"]
+ACCELERATE_OTHER_MODULES = {
+    module: accelerate_names("unison" + module.removeprefix("accelerate"))
+    for module in PUBLIC_NAMES
+    if module not in ("accelerate", "accelerate.utils")
+}
 ACCELERATE_LAUNCH_FLAGS = """
     --config_file --quiet -q --cpu --multi_gpu --tpu --mixed_precision --num_processes
     --num_machines --num_cpu_threads_per_process --enable_cpu_affinity --dynamo_backend
@@ -338,6 +275,17 @@ def test_each_accelerate_constructor_argument_state_member_utils_name_top_level_
     assert [n for n in ACCELERATE_UTILS if n not in _rows_naming("utils")] == []
     assert [n for n in ACCELERATE_TOP_LEVEL if n not in _rows_naming("top")] == []
     assert [f for f in ACCELERATE_LAUNCH_FLAGS if f not in _rows_naming("flag")] == []
+    # a name of another module: its own row, or the row of the same object (Accelerate re-exports) in
+    # `accelerate`, `accelerate.utils` or another module (`accelerate.data_loader.get_logger` is logging's)
+    modules = _rows_naming("module")
+    shared = set(_rows_naming("utils")) | set(_rows_naming("top")) | {n.rsplit(".", 1)[1] for n in modules}
+    missing = [
+        f"{module}.{name}"
+        for module, names in ACCELERATE_OTHER_MODULES.items()
+        for name in names
+        if f"{module}.{name}" not in modules and name not in shared
+    ]
+    assert missing == []
 
 
 # -- each row against the code ----------------------------------------------------------------------------
@@ -368,20 +316,39 @@ def test_state_rows(accelerator):
         assert _has_member(owner, cls, member) is row.provided, (name, row.verdict)
 
 
-def test_utils_rows():
-    for name, row in _rows_naming("utils").items():
+def _check_stand_in(module: object, name: str, row: Row) -> None:
+    """`module.name` imports, is a stand-in whose use raises the row's note, and is Accelerate's kind."""
+    assert NOTE_OF.get(name) == (row.verdict, row.note), f"line {row.line}: accelerate_names.CATALOGUE's note"
+    stand_in = getattr(module, name)
+    assert is_stand_in(stand_in), f"{module.__name__}.{name} is marked {row.verdict} but is real"
+    with pytest.raises(NotInUnisonError) as raised:
+        stand_in()
+    assert isinstance(raised.value, NotImplementedError) and row.note in str(raised.value), name
+    with pytest.raises(NotInUnisonError, match=re.escape(row.note)):
+        stand_in.some_attribute  # noqa: B018 (reading it is the use)
+    if isinstance(stand_in, type):  # a class: also no subclass, while isinstance and hints still work
+        assert not isinstance(object(), stand_in)
+        with pytest.raises(NotInUnisonError):
+            type("Mine", (stand_in,), {})
+
+
+def _check_rows(module: object, kind: str) -> None:
+    for name, row in _rows_naming(kind).items():
         if row.provided:
-            assert name in unison.utils.__all__, f"{name} ({row.verdict}) is not in unison.utils.__all__"
-        else:
-            assert not hasattr(unison.utils, name), f"{name} is marked {row.verdict} but unison.utils has it"
+            assert name in module.__all__, f"{name} ({row.verdict}) is not in {module.__name__}.__all__"
+            assert not is_stand_in(getattr(module, name)), name
+        elif name in accelerate_names(module.__name__):
+            _check_stand_in(module, name, row)
+        else:  # not a name of the module's Accelerate twin: only where Accelerate has it
+            assert not hasattr(module, name), f"{name} is marked {row.verdict} but {module.__name__} has it"
+
+
+def test_utils_rows():
+    _check_rows(unison.utils, "utils")
 
 
 def test_top_level_rows():
-    for name, row in _rows_naming("top").items():
-        if row.provided:
-            assert name in unison.__all__, f"{name} ({row.verdict}) is not in unison.__all__"
-        else:
-            assert not hasattr(unison, name), f"{name} is marked {row.verdict} but unison has it"
+    _check_rows(unison, "top")
 
 
 def _resolve(path: str) -> object | None:
@@ -398,23 +365,57 @@ def _resolve(path: str) -> object | None:
     return None
 
 
-UNISON_MODULE_OF = {"data_loader": "data"}  # where an Accelerate module's names live in unison, if renamed
-
-
 def test_other_module_rows():
     for name, row in _rows_naming("module").items():
         assert name.startswith("accelerate."), f"line {row.line}: {name}"
-        module, leaf = name.removeprefix("accelerate.").rsplit(".", 1)
+        accelerate_module, leaf = name.rsplit(".", 1)
+        mirrored = accelerate_module in PUBLIC_NAMES  # else a module unison has no twin of (tracking)
+        module = (
+            importlib.import_module("unison" + accelerate_module.removeprefix("accelerate"))
+            if mirrored
+            else None
+        )
         if row.provided:
             where = re.search(r"`(unison\.[\w.]+)`", row.note)
             assert where and where.group(1).endswith("." + leaf), f"line {row.line}: the note names unison's"
             assert _resolve(where.group(1)) is not None, (name, where.group(1))
+            if mirrored:
+                assert _resolve(where.group(1)) is getattr(module, leaf), (name, where.group(1))
+                assert not is_stand_in(getattr(module, leaf)), name
         else:
-            counterpart = f"unison.{UNISON_MODULE_OF.get(module, module)}.{leaf}"
-            found = [
-                p for p in (f"unison.{leaf}", f"unison.utils.{leaf}", counterpart) if _resolve(p) is not None
-            ]
-            assert not found, (name, row.verdict, found)
+            assert mirrored, f"line {row.line}: {name} is a name of a module unison has a twin of"
+            _check_stand_in(module, leaf, row)
+
+
+def test_every_accelerate_name_imports_from_unisons_module_of_the_same_path():
+    """The inventory, generated from Accelerate 1.15 (no Accelerate needed here): each name imports,
+    with Accelerate's kind (a class is a class), and what a stand-in says is a row of the page."""
+    for accelerate_module, kinds in PUBLIC_NAMES.items():
+        module = importlib.import_module("unison" + accelerate_module.removeprefix("accelerate"))
+        listed = set(dir(module))
+        for kind, names in kinds.items():
+            for name in names:
+                value = getattr(module, name)  # AttributeError: a name unison does not serve
+                assert name in listed, f"dir({module.__name__}) omits {name}"
+                if kind == "class":
+                    assert isinstance(value, type), f"{module.__name__}.{name} is a class in Accelerate"
+                elif kind == "function":
+                    assert callable(value) and not isinstance(value, type), f"{module.__name__}.{name}"
+                assert is_stand_in(value) is (name in NOTE_OF), f"{module.__name__}.{name}"
+        assert not [name for name in getattr(module, "__all__", []) if is_stand_in(getattr(module, name))]
+    assert sum(len(names) for kinds in PUBLIC_NAMES.values() for names in kinds.values()) == 397
+
+
+def test_a_stand_in_is_the_same_object_under_every_path_as_in_accelerate():
+    import unison.big_modeling
+    import unison.state
+
+    assert unison.big_modeling.cpu_offload is unison.cpu_offload
+    assert unison.state.is_npu_available is unison.utils.is_npu_available
+    assert unison.utils.is_npu_available() is False or unison.utils.is_npu_available()  # a bool, no error
+    assert unison.utils.SAFE_WEIGHTS_NAME == "model.safetensors"
+    message = str(pytest.raises(NotInUnisonError, unison.utils.GPTTrainStep).value)
+    assert message.startswith("unison.utils.GPTTrainStep is Megatron-LM's own engine, which unison does not")
 
 
 def test_launch_flag_rows():
@@ -473,7 +474,6 @@ ONE_LINERS = [
     "accelerator.parallelism_config.tp_size",
     "PartialState().device",
     'unittest.mock.patch.dict(os.environ, {"NAME": "value"})',
-    'importlib.util.find_spec("wandb") is not None',
     "PartialState(cpu=True, timeout=1800)",
     "ParallelismConfig(tp_size=2)",
     "ParallelismConfig(pp_size=2)",
@@ -484,7 +484,6 @@ ONE_LINERS = [
 
 @pytest.mark.usefixtures("fresh_state")
 def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
-    import importlib.util
     import os
     import unittest.mock
 
@@ -508,7 +507,6 @@ def test_the_one_liners_run_as_written(tmp_path, monkeypatch):
         "f": str(tmp_path / "obj.pt"),
         "os": os,
         "unittest": unittest,
-        "importlib": importlib,
         "DataLoaderConfiguration": unison.DataLoaderConfiguration,
         "ParallelismConfig": unison.ParallelismConfig,
         "TorchDynamoPlugin": unison.utils.TorchDynamoPlugin,

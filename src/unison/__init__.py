@@ -12,8 +12,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .accelerate_names import mirror
+
 if TYPE_CHECKING:
     from .accelerator import Accelerator
+    from .availability import is_rich_available
     from .big_modeling import init_empty_weights
     from .checkpoint import CheckpointError, ProjectConfiguration
     from .configs import DataLoaderConfiguration, GradientAccumulationPlugin
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
         IterableDatasetShard,
         prepare_data_loader,
         skip_first_batches,
+        synchronize_rng_states,
     )
     from .device_memory import find_executable_batch_size
     from .kwargs_handlers import (
@@ -67,7 +71,9 @@ _EXPORTS = {
     "IterableDatasetShard": "data",
     "prepare_data_loader": "data",
     "skip_first_batches": "data",
+    "synchronize_rng_states": "data",
     "find_executable_batch_size": "device_memory",
+    "is_rich_available": "availability",
     "AutocastKwargs": "kwargs_handlers",
     "DistributedDataParallelKwargs": "kwargs_handlers",
     "GradScalerKwargs": "kwargs_handlers",
@@ -96,17 +102,21 @@ _EXPORTS = {
 }
 
 
+# Accelerate's other top-level names (big-model inference, PiPPy, ...): stand-ins that say why when used
+_accelerate_getattr, _accelerate_dir, _ = mirror(__name__, globals(), frozenset(_EXPORTS))
+
+
 def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
-        raise AttributeError(f"module 'unison' has no attribute {name!r}")
+        return _accelerate_getattr(name)
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value  # once loaded, a plain module attribute
     return value
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_EXPORTS))
+    return sorted(set(globals()) | set(_EXPORTS) | set(_accelerate_dir()))
 
 
 __all__ = [
@@ -142,6 +152,7 @@ __all__ = [
     "gather",
     "gather_object",
     "init_empty_weights",
+    "is_rich_available",
     "notebook_launcher",
     "pad_across_processes",
     "prepare_data_loader",
@@ -149,4 +160,5 @@ __all__ = [
     "send_to_device",
     "set_seed",
     "skip_first_batches",
+    "synchronize_rng_states",
 ]

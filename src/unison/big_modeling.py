@@ -21,7 +21,19 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
+from .accelerate_names import mirror
 from .parallel.init_replay import BuildNotes
+
+# Accelerate's value (the layers its layerwise casting upcasts); unison has no such hooks
+SUPPORTED_PYTORCH_LAYERS_FOR_UPCASTING = (
+    torch.nn.Conv1d,
+    torch.nn.Conv2d,
+    torch.nn.Conv3d,
+    torch.nn.ConvTranspose1d,
+    torch.nn.ConvTranspose2d,
+    torch.nn.ConvTranspose3d,
+    torch.nn.Linear,
+)
 
 
 @contextlib.contextmanager
@@ -53,3 +65,7 @@ def init_empty_weights(include_buffers: bool | None = None) -> Iterator[None]:
     finally:
         for hook in hooks:
             hook.remove()
+
+
+# Accelerate's other names of accelerate.big_modeling (dispatch, offload, hooks): stand-ins that say why
+__getattr__, __dir__, _ = mirror(__name__, globals())

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import env_vars, network
+from .accelerate_names import mirror
 from .env_vars import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_mixed_precision
 from .environment import ProcessLayout, detect_layout
 from .health.failure import end_fast_on_uncaught_error
@@ -615,3 +616,7 @@ def wait_for_everyone(name: str | None = None) -> None:
     """Barrier over every process (accelerate.utils.wait_for_everyone); a no-op in one process. `name`
     labels it in a hang report."""
     PartialState().wait_for_everyone(name)
+
+
+# Accelerate's other names of accelerate.state (its probes, GradientAccumulationPlugin, ...)
+__getattr__, __dir__, _ = mirror(__name__, globals())

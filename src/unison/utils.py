@@ -1,5 +1,9 @@
 """What scripts import from `accelerate.utils`, under the same names: `from accelerate.utils import X`
-becomes `from unison.utils import X`. Re-exports only; each name lives in the module that owns it."""
+becomes `from unison.utils import X`. Re-exports only; each name lives in the module that owns it.
+
+Every other public name of `accelerate.utils` imports too (accelerate_names.py): the probes and
+constants work, and a name with no meaning in unison raises, when used, why and what to do instead.
+`__all__` (and so `import *`) holds the working names."""
 
 from .availability import (
     is_bf16_available,
@@ -45,6 +49,10 @@ from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
 from .state import DistributedType, wait_for_everyone
 
+from .accelerate_names import mirror  # isort: skip (after the imports: it serves what they do not)
+
+__getattr__, __dir__, _more_names = mirror(__name__, globals())
+
 __all__ = [
     "AutocastKwargs",
     "DDPCommunicationHookType",
@@ -88,4 +96,4 @@ __all__ = [
     "set_seed",
     "synchronize_rng_states",
     "wait_for_everyone",
-]
+] + _more_names

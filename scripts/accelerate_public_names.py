@@ -1,0 +1,136 @@
+"""Write Accelerate's public names, read from the installed package, to src/unison/accelerate_inventory.py.
+
+Run once per Accelerate release unison follows (today 1.15.0): `python scripts/accelerate_public_names.py`.
+The output is a committed fact: the library serves each name under unison's module of the same path
+(`accelerate.utils.X` is `unison.utils.X`), and tests/test_migration_guide.py holds every name to it
+without Accelerate installed.
+
+"Public", for modules without `__all__` (none of these seven has one): the names of the module's namespace
+that do not start with `_`, less
+- modules (`accelerate.utils` as an attribute of `accelerate`, `torch`, ...);
+- functions and classes defined outside Accelerate (`typing.Optional`, `contextlib.contextmanager`,
+  `torch.utils.data.DataLoader` imported by `accelerate.data_loader`): re-exports of other libraries;
+- `from __future__ import annotations` (a compiler flag, not a name);
+- module-level loggers (`logger = get_logger(__name__)`): each module's own, nothing a script imports;
+- targets of module-level `for` loops (`accelerate.data_loader`'s `v`, `additional_kwargs`).
+Names a module imports only where an optional package is installed (`if is_deepspeed_available(): from
+.deepspeed import DummyOptim` in `accelerate.utils`) count as if it were: they are public wherever it is,
+so the list does not depend on what this environment has installed.
+What is left are Accelerate's own functions and classes, and its constants, wherever they are defined
+inside Accelerate (`accelerate.state.is_npu_available` is `accelerate.utils.is_npu_available`). Whether
+a name is a class, a function or a value is recorded too, so unison's stand-in has the same kind.
+"""
+
+from __future__ import annotations
+import __future__
+
+import ast
+import importlib
+import importlib.util
+import inspect
+import logging
+import subprocess
+import sys
+import types
+from pathlib import Path
+
+MODULES = (
+    "accelerate",
+    "accelerate.big_modeling",
+    "accelerate.data_loader",
+    "accelerate.local_sgd",
+    "accelerate.logging",
+    "accelerate.state",
+    "accelerate.utils",
+)
+OUTPUT = Path(__file__).resolve().parent.parent / "src" / "unison" / "accelerate_inventory.py"
+
+
+def loop_targets(module: types.ModuleType) -> set[str]:
+    """Names bound by the module's own top-level `for` loops (leftovers, not API)."""
+    tree = ast.parse(inspect.getsource(module))
+    loops = [node.target for node in tree.body if isinstance(node, ast.For)]
+    return {name.id for target in loops for name in ast.walk(target) if isinstance(name, ast.Name)}
+
+
+def conditional_imports(module: types.ModuleType) -> dict[str, object]:
+    """What the module's top-level `if` blocks import from inside Accelerate, whether or not the
+    condition held here: name -> the object, read from the module it is imported from."""
+    tree = ast.parse(inspect.getsource(module))
+    found = {}
+    for block in (node for node in tree.body if isinstance(node, ast.If)):
+        for node in ast.walk(block):
+            if isinstance(node, ast.ImportFrom) and node.level:
+                source = importlib.import_module(
+                    importlib.util.resolve_name("." * node.level + (node.module or ""), module.__package__)
+                )
+                for alias in node.names:
+                    if hasattr(source, alias.name):  # else a submodule (`from .utils import rich`)
+                        found[alias.asname or alias.name] = getattr(source, alias.name)
+    return found
+
+
+def kind_of(value: object) -> str | None:
+    """'class', 'function' or 'value'; None for what the rule leaves out (see the module docstring)."""
+    excluded = (types.ModuleType, __future__._Feature, logging.Logger, logging.LoggerAdapter)
+    if isinstance(value, excluded):
+        return None
+    if isinstance(value, type) or callable(value):
+        if not (getattr(value, "__module__", None) or "").startswith("accelerate"):
+            return None
+        return "class" if isinstance(value, type) else "function"
+    return "value"
+
+
+def public_names(module_name: str) -> dict[str, list[str]]:
+    module = importlib.import_module(module_name)
+    assert not hasattr(module, "__all__"), f"{module_name} has __all__ now: read it instead"
+    skipped = loop_targets(module)
+    namespace = conditional_imports(module) | vars(module)
+    kinds: dict[str, list[str]] = {"class": [], "function": [], "value": []}
+    for name in sorted(namespace):
+        kind = None if name.startswith("_") or name in skipped else kind_of(namespace[name])
+        if kind:
+            kinds[kind].append(name)
+    return kinds
+
+
+def render(version: str, inventory: dict[str, dict[str, list[str]]]) -> str:
+    total = sum(len(names) for kinds in inventory.values() for names in kinds.values())
+    lines = [
+        f'"""Accelerate {version}\'s public names, by module and kind: {total} names in '
+        f"{len(inventory)} modules.",
+        "",
+        "Generated by scripts/accelerate_public_names.py from the installed package (the rule for",
+        '"public" is in its docstring); do not edit. unison serves each name under its module of the same',
+        "path (accelerate_names.py); tests/test_migration_guide.py holds that to this list.",
+        '"""',
+        "",
+        f'ACCELERATE_VERSION = "{version}"',
+        "",
+        "PUBLIC_NAMES: dict[str, dict[str, tuple[str, ...]]] = {",
+    ]
+    for module_name, kinds in inventory.items():
+        lines.append(f'    "{module_name}": {{')
+        for kind, names in kinds.items():
+            lines.append(f'        "{kind}": (')
+            lines += [f'            "{name}",' for name in names]
+            lines.append("        ),")
+        lines.append("    },")
+    lines.append("}")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    import accelerate
+
+    inventory = {name: public_names(name) for name in MODULES}
+    OUTPUT.write_text(render(accelerate.__version__, inventory))
+    subprocess.run([sys.executable, "-m", "ruff", "format", "--quiet", str(OUTPUT)], check=False)
+    for module_name, kinds in inventory.items():
+        print(f"{module_name:26} {sum(map(len, kinds.values())):4d}")
+    print(f"written: {OUTPUT}")
+
+
+if __name__ == "__main__":
+    main()
