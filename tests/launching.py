@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -35,6 +37,10 @@ STACK_DUMP_SIGNAL = signal.SIGUSR2  # a rank's watchdog registers faulthandler f
 OUTPUT_SHOWN = 30_000
 """Characters of each stream a timed-out run's message shows (the end: where a hang report is)."""
 _runs = itertools.count()
+RUN_LOG_VARIABLE = "UNISON_TEST_RUN_LOG"
+"""Where the suite's cost goes: set to a file, each run appends a JSON line (the test, the command, its
+seconds of wall and of CPU: every process of the run, ranks included, as the kernel counts them for reaped
+children). CPU seconds are what the 2 cores share out; wall seconds swell on a busy machine."""
 
 
 class LaunchTimedOut(subprocess.TimeoutExpired):
@@ -84,11 +90,13 @@ def run(
     full_env = {**(os.environ if env is None else env), TAG_VARIABLE: tag}
     slowness.extend_test_timer(budget)
     command = [str(part) for part in command]
+    started, cpu_before = time.monotonic(), _children_cpu_seconds()
     process = subprocess.Popen(
         command, cwd=cwd, env=full_env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     try:
         stdout, stderr = process.communicate(timeout=budget)
+        _log_run(command, time.monotonic() - started, _children_cpu_seconds() - cpu_before)
     except subprocess.TimeoutExpired:
         ended, dumped = end_run(process, tag)
         stdout, stderr = _rest_of_output(process)
@@ -97,6 +105,21 @@ def run(
         end_run(process, tag)
         raise
     return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
+
+
+def _children_cpu_seconds() -> float:
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _log_run(command: list[str], wall: float, cpu: float) -> None:
+    log = os.environ.get(RUN_LOG_VARIABLE)
+    if not log:
+        return
+    test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+    line = {"test": test, "command": command, "wall": round(wall, 2), "cpu": round(cpu, 2)}
+    with open(log, "a") as file:
+        file.write(json.dumps(line) + "\n")
 
 
 def _rest_of_output(process: subprocess.Popen) -> tuple[str, str]:
