@@ -10,6 +10,7 @@ import re
 import subprocess
 from pathlib import Path
 
+import local_sgd_case
 import pytest
 import torch
 from launching import WORKERS, launch_ok
@@ -18,6 +19,7 @@ import unison
 import unison.logging
 import unison.utils
 from unison import Accelerator, DataLoaderConfiguration, GradientAccumulationPlugin
+from unison.local_sgd import LocalSGD
 from unison.state import DistributedType
 
 
@@ -414,6 +416,72 @@ def test_availability_probes_answer_from_torch_and_the_installed_packages(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name in installed else None)
     assert unison.utils.is_wandb_available() and unison.utils.is_pytest_available()
     assert not unison.utils.is_mlflow_available() and not unison.utils.is_tensorboard_available()
+
+
+def test_every_probe_answers_truthfully_and_versions_compare_as_accelerates():
+    import importlib.util
+
+    from unison.accelerate_names import HOMES
+
+    probes = [
+        name
+        for name in HOMES["availability"].split()
+        if name.startswith("is_") and name != "is_torch_version"
+    ]
+    answers = {name: getattr(unison.utils, name)() for name in probes}
+    assert {type(answer) for answer in answers.values()} == {bool}, answers
+    for probe, package in [("is_npu_available", "torch_npu"), ("is_deepspeed_available", "deepspeed")]:
+        if importlib.util.find_spec(package) is None:
+            assert answers[probe] is False, probe
+    assert answers["is_peft_available"] is (importlib.util.find_spec("peft") is not None)
+    assert unison.utils.compare_versions("torch", ">=", "2.12") and not unison.utils.is_torch_version(
+        "<", "2.12"
+    )
+    assert unison.utils.compare_versions(torch.torch_version.Version("2.4.1"), "==", "2.4.1")
+    with pytest.raises(ValueError, match=r"operation='=>' is not a comparison"):
+        unison.utils.compare_versions("torch", "=>", "2.0")
+    needs_torchao = unison.utils.torchao_required(lambda: "ran")
+    if not unison.utils.is_torchao_available():
+        with pytest.raises(ImportError, match=r"needs torchao"):
+            needs_torchao()
+
+
+def test_local_sgd_is_plain_torch_local_sgd_and_not_ddp(records):
+    """LocalSGD on 2 and 3 processes, Accelerate's by_feature/local_sgd.py loop (with and without
+    accumulation), against the same processes simulated one after the other in plain torch: the same
+    parameters (measured: equal to the last bit on 2 processes). It changes the numbers by design: the
+    processes drift apart between averages, and the run ends away from plain DDP's."""
+    world = len(records)
+    for case in local_sgd_case.CASES:
+        expected = local_sgd_case.reference(world, case, local=case != "disabled")
+        ddp = local_sgd_case.reference(world, case, local=False)
+        for record in records:
+            ours = torch.tensor(record["local_sgd"][case]["parameters"])
+            assert (ours - expected).abs().max().item() < 1e-6, case
+            assert ours.tolist() == records[0]["local_sgd"][case]["parameters"]  # averaged at the exit
+            assert ((ours - ddp).abs().max().item() > 1e-3) is (case != "disabled"), case
+    apart = records[0]["local_sgd"]
+    assert apart["every_3"]["apart"] == [True, True, False] * 2 + [True]
+    assert apart["accumulating"]["apart"] == [False, True, True, False] * 2 + [False, True]
+    assert not any(apart["disabled"]["apart"])
+    for record in records:  # a sharded layout: refused on every process, naming it
+        assert "LocalSGD averages whole replicas" in record["local_sgd"]["zero3_refused"]
+        assert "(ZeRO-3)" in record["local_sgd"]["zero3_refused"]
+
+
+@pytest.mark.usefixtures("fresh_state")
+def test_local_sgd_on_one_process_does_nothing_and_refuses_a_bad_period():
+    accelerator = Accelerator(cpu=True)
+    model = accelerator.prepare(torch.nn.Linear(2, 2))
+    before = [p.detach().clone() for p in model.parameters()]
+    with LocalSGD(accelerator, model, local_sgd_steps=1) as local_sgd:
+        local_sgd.step()
+    assert not local_sgd.enabled and local_sgd.num_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    with pytest.raises(ValueError, match=r"local_sgd_steps=0: parameters are averaged every"):
+        LocalSGD(accelerator, model, local_sgd_steps=0)
+    with pytest.raises(TypeError, match=r"local_sgd_steps=2.0"):
+        LocalSGD(accelerator, model, local_sgd_steps=2.0)
 
 
 def test_ddp_static_graph_accumulates_like_one_process(launched):

@@ -19,6 +19,7 @@ import dataclasses
 import importlib
 import inspect
 import re
+import runpy
 
 import pytest
 import torch
@@ -27,7 +28,7 @@ from launching import REPO_ROOT
 import unison
 import unison.utils
 from unison import Accelerator, GradientState, PartialState, env_vars
-from unison.accelerate_inventory import PUBLIC_NAMES
+from unison.accelerate_inventory import ACCELERATE_VERSION, PUBLIC_NAMES
 from unison.accelerate_names import NOTE_OF, NotInUnisonError, accelerate_names, is_stand_in
 from unison.commands.main import build_parser
 
@@ -404,6 +405,22 @@ def test_every_accelerate_name_imports_from_unisons_module_of_the_same_path():
                 assert is_stand_in(value) is (name in NOTE_OF), f"{module.__name__}.{name}"
         assert not [name for name in getattr(module, "__all__", []) if is_stand_in(getattr(module, name))]
     assert sum(len(names) for kinds in PUBLIC_NAMES.values() for names in kinds.values()) == 397
+
+
+def test_the_inventory_is_what_the_script_reads_from_the_installed_accelerate():
+    """Where Accelerate of the inventory's version is installed, the committed list is what
+    scripts/accelerate_public_names.py reads from it now (elsewhere the committed list is the fact)."""
+    accelerate = pytest.importorskip("accelerate")
+    if accelerate.__version__ != ACCELERATE_VERSION:
+        pytest.skip(
+            f"Accelerate {accelerate.__version__} is installed; the inventory is {ACCELERATE_VERSION}"
+        )
+    script = runpy.run_path(str(REPO_ROOT / "scripts" / "accelerate_public_names.py"))
+    read = {module: script["public_names"](module) for module in script["MODULES"]}
+    committed = {
+        module: {kind: list(names) for kind, names in kinds.items()} for module, kinds in PUBLIC_NAMES.items()
+    }
+    assert read == committed
 
 
 def test_a_stand_in_is_the_same_object_under_every_path_as_in_accelerate():

@@ -17,6 +17,7 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
   of its own trace;
 - "sync_in_backward": trigger_sync_in_backward after forwards under no_sync (the gradients' mean over the
   processes), unwrap_model of a model compiled before prepare(), should_save_model;
+- "local_sgd": LocalSGD's cases and refusal (local_sgd_case.py, whose reference the test computes);
 - "triggers", "last_process", "distributed_type_checks", "destroyed": the rest of the surface.
 Before the group is destroyed, the same launch runs the file's shorter workers, each with the state
 reset first: on 2 processes static_graph_worker.py's run (OUT_DIR/static_graph.txt), on 3
@@ -27,6 +28,7 @@ import json
 import sys
 from pathlib import Path
 
+import local_sgd_case
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -374,6 +376,8 @@ def main() -> None:
         ],
         "should_save_model": synced.should_save_model,
     }
+
+    record["local_sgd"] = local_sgd_case.run()
 
     rank = accelerator.process_index
     # accelerator.save: the main process writes, whoever calls (here: every process, each its own value)
