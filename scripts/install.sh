@@ -28,7 +28,7 @@ spec = importlib.util.find_spec("unison")
 assert spec is not None and pathlib.Path(spec.origin).resolve().parents[1] == (pathlib.Path.cwd() / "src").resolve()
 if sys.argv[1]:
     import mlflow, numpy, pytest, pytest_timeout, safetensors, xdist, tensorboard, transformers, wandb  # noqa: F401
-    import datasets, peft  # noqa: F401
+    import accelerate, datasets, peft  # noqa: F401
     import sklearn  # noqa: F401
     import material, mkdocs, mkdocstrings_handlers.python  # noqa: F401
     import tomli_w, yaml  # noqa: F401

@@ -1,8 +1,9 @@
 """Checkpoints: atomic, verified directories on disk (storage, their manifest of checksums in manifest),
 the training state in them (training_state; written now or in the background by writing; sharded layouts
 through DCP in sharded, read without executing code by dcp_reading, imported on first use), consolidated
-weights for use without unison from any layout (weights), and a checkpoint exported as a Hugging Face
-folder on one process (export)."""
+weights for use without unison from any layout (weights), a checkpoint exported as a Hugging Face
+folder on one process (export), and the folders Accelerate's save_state writes, read so that a run started
+under Accelerate continues (accelerate_folders, chosen by load_state in methods)."""
 
 from .errors import CheckpointError
 from .manifest import MANIFEST_NAME, files_of_process, read_manifest, verify_checkpoint, verify_files

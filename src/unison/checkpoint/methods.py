@@ -18,6 +18,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ..ops import broadcast_object_list
 from ..parallel.ddp import wrapper_prefix
+from .accelerate_folders import is_accelerate_folder, load_accelerate_folder
 from .storage import checkpoint_path, list_checkpoints, newest_checkpoint, prune_checkpoints
 from .training_state import TrainingParts, load_training_state, optimizer_steps, save_training_state
 from .weights import consolidated_state_dict, save_consolidated_weights, save_on_main_process
@@ -163,6 +164,8 @@ class CheckpointMethods:
         applied; strict=False loads the weights both have and leaves the model's others as they are (e.g. a
         head added since the save), in every layout, sharded ones included. It concerns the models: as in
         Accelerate, optimizer state still has to match its optimizer's parameters.
+        A folder Accelerate's save_state wrote loads too (a run started under Accelerate continues here;
+        checkpoint/accelerate_folders.py), and one line says so.
         The saved global batch per optimizer step wins over this run's gradient_accumulation_steps: on
         another number of processes (or batch size) the accumulation that keeps it is set and said in one
         line, or the checkpoint is refused before anything is applied (checkpoint/global_batch.py).
@@ -172,11 +175,12 @@ class CheckpointMethods:
         # The main process looks at the file system and every process follows its answer: a node whose
         # view of a shared directory lags (NFS attribute caching) must not start fresh while the others
         # enter the collective load, nor pick another checkpoint.
-        found = [None, False]
+        found = [None, False, False]
         if self.is_main_process:
             directory = Path(input_dir) if input_dir is not None else newest_checkpoint(checkpoints)
-            found = [directory, directory is not None and directory.exists()]
-        directory, exists = broadcast_object_list(found, from_process=0)
+            exists = directory is not None and directory.exists()
+            found = [directory, exists, exists and is_accelerate_folder(directory)]
+        directory, exists, from_accelerate = broadcast_object_list(found, from_process=0)
         if not exists and missing_ok:
             return None
         if directory is None:
@@ -185,6 +189,9 @@ class CheckpointMethods:
                 "first, or pass missing_ok=True to start fresh when there is nothing to resume."
             )
         training = self._training_parts()
+        if from_accelerate:  # a run started under Accelerate (checkpoint/accelerate_folders.py)
+            self.step = load_accelerate_folder(training, directory, strict, self._numerics.accelerate)
+            return directory
         self.step = load_training_state(training, directory, strict=strict)
         self._resume_accumulation(training.gradient_accumulation_steps)
         return directory

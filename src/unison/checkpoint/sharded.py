@@ -281,20 +281,26 @@ def model_keys_everywhere(models: Sequence[nn.Module]) -> list[frozenset[str]]:
 
 
 def read_model_state(
-    model: nn.Module, directory: Path, strict: bool = True, model_keys: frozenset[str] | None = None
+    model: nn.Module,
+    directory: Path,
+    strict: bool = True,
+    model_keys: frozenset[str] | None = None,
+    prefix: str = "",
 ) -> dict[str, Any]:
     """Read a DCP model part into new tensors laid out like `model`'s own (nothing applied). Collective.
 
     strict: the checkpoint must hold exactly the model's keys (`model_keys`, see model_keys_everywhere;
     None: this process's, which every layout but pipeline stages holds whole). strict=False reads the keys
     both have; the model's others are left out of the result, to keep their values.
+    prefix: what the part puts before each name (Accelerate's FSDP folders save `model.<name>`).
     """
-    state = _empty_like(get_model_state_dict(unwrap(model)))
-    planner = SafeLoadPlanner(strict=strict, model_keys=model_keys or frozenset(state))
+    state = {prefix + key: value for key, value in _empty_like(get_model_state_dict(unwrap(model))).items()}
+    wanted = frozenset(prefix + key for key in model_keys) if model_keys else frozenset(state)
+    planner = SafeLoadPlanner(strict=strict, model_keys=wanted)
     dcp_load(state, directory, planner)
     for key in planner.missing:  # not in the checkpoint: DCP left the empty tensor, not to be applied
         del state[key]
-    return state
+    return {key.removeprefix(prefix): value for key, value in state.items()}
 
 
 def apply_model_state(model: nn.Module, state: dict[str, Any], strict: bool = True) -> None:
@@ -312,6 +318,23 @@ class OptimizerState:
     has_state: bool
 
 
+def empty_optimizer_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """New tensors laid out like this process's optimizer state, flattened and keyed by `model`'s names
+    (`state.<name>.exp_avg`, `param_groups.<name>.lr`), to read a checkpoint into. Collective.
+
+    The live optimizer is left as it was (a fresh one stays without state).
+    """
+    local = _local_optimizer(optimizer)
+    if not any(group["params"] for group in local.param_groups):  # ZeRO-1 can leave a process none
+        return {}
+    fresh = not _has_state(local)
+    with _grads_set_aside(local):
+        state = _empty_like(get_optimizer_state_dict(unwrap(model), local, options=_FLAT_OPTIMIZER))
+    if fresh:
+        local.state.clear()
+    return state
+
+
 def read_optimizer_state(
     model: nn.Module, optimizer: torch.optim.Optimizer, directory: Path
 ) -> OptimizerState:
@@ -319,14 +342,7 @@ def read_optimizer_state(
 
     The live optimizer is left as it was (a fresh one stays without state).
     """
-    local = _local_optimizer(optimizer)
-    state: dict[str, Any] = {}
-    if any(group["params"] for group in local.param_groups):
-        fresh = not _has_state(local)
-        with _grads_set_aside(local):
-            state = _empty_like(get_optimizer_state_dict(unwrap(model), local, options=_FLAT_OPTIMIZER))
-        if fresh:
-            local.state.clear()
+    state = empty_optimizer_state(model, optimizer)
     planner = SafeLoadPlanner(optional_prefix=_OPTIMIZER_STATE_PREFIX)
     dcp_load(state, directory, planner)
     return OptimizerState(state, planner.found_optional or not state)
@@ -437,10 +453,17 @@ def apply_full_optimizer_state(
     if _is_zero1(outer) or not state["state"]:
         outer.load_state_dict(state)
         return
-    module = unwrap(model)
-    by_name = _by_name(module, outer, state)
+    apply_named_optimizer_state(model, optimizer, _by_name(unwrap(model), outer, state))
+
+
+def apply_named_optimizer_state(
+    model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Load a whole optimizer state dict keyed by `model`'s parameter names (what FSDP's FULL_STATE_DICT
+    saves) into any layout's optimizer, each process keeping the slices of its shards."""
+    outer = _torch_optimizer(optimizer)
     with _grads_set_aside(outer):
-        set_optimizer_state_dict(module, outer, by_name, options=StateDictOptions(full_state_dict=True))
+        set_optimizer_state_dict(unwrap(model), outer, state, options=StateDictOptions(full_state_dict=True))
 
 
 def _by_name(module: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> dict[str, Any]:

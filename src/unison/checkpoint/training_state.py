@@ -280,7 +280,7 @@ def _models_saved_by_hooks(training: TrainingParts, output_dir: Path) -> list[in
     return ops.broadcast_object_list([removed], from_process=0)[0]
 
 
-def _models_loaded_by_hooks(training: TrainingParts, input_dir: Path) -> list[int]:
+def models_loaded_by_hooks(training: TrainingParts, input_dir: Path) -> list[int]:
     """Run the load_state pre-hooks, `hook(models, input_dir)`; the indices of the models a hook removed
     from `models` (it loaded them its way), as the main process saw it."""
     if not training.load_hooks:
@@ -447,7 +447,7 @@ def load_training_state(training: TrainingParts, directory: Path, strict: bool =
     anything is applied); strict=False loads the keys both have and leaves the model's others as they are.
     """
     state = PartialState()
-    loaded_by_hooks = {f"model_{i}.pt" for i in _models_loaded_by_hooks(training, directory)}
+    loaded_by_hooks = {f"model_{i}.pt" for i in models_loaded_by_hooks(training, directory)}
     parts = {name: part for name, part in _replicated_parts(training).items() if name not in loaded_by_hooks}
     model_parts, sharded_parts = _model_parts(training)
     sharded_parts -= loaded_by_hooks
