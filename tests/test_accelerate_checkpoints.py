@@ -11,7 +11,8 @@ its state to FSDP as Accelerate sets it on GPUs, and Accelerate's own FSDP2 code
 
 Measured (2-core CPU VM, torch 2.13.0, accelerate 1.15.0, 2026-11-29): every micro-step's loss, the
 learning rate and the registered object equal Accelerate's resumed run exactly in every case; the final
-parameters too, except FSDP on 2 processes, 3.0e-8 apart (its sharded gradient reduction rounds apart).
+parameters too, except under ZeRO-3 on 2 processes (Accelerate's FSDP folders, and its DDP folder resumed
+under ZeRO-3), 3.0e-8 apart: the sharded gradient reduction rounds apart in the last bit.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from unison.checkpoint import CheckpointError
 from unison.checkpoint.accelerate_folders import _own_names
 
 WORKER = WORKERS / "accelerate_checkpoint_worker.py"
-FSDP_TWO_PROCESSES = 1e-6  # measured 3.0e-8: FSDP's sharded gradient reduction, its rounding
+FSDP_TWO_PROCESSES = 1e-6  # measured 3.0e-8: ZeRO-3's sharded gradient reduction, its rounding
 EXACT = 0.0
 
 
