@@ -312,6 +312,13 @@ def test_profile_writes_one_chrome_trace_per_process(records):
         assert {"aten::addmm", "aten::mse_loss"} <= set(record["profile"]["ops"]), record["profile"]["ops"]
 
 
+def test_a_profiled_pass_broadcasts_once_for_the_data_and_once_per_step_for_ddps_buffer(records):
+    # Accelerate's count in its profiler example: one broadcast of the generator's state per pass (unison
+    # once sent it as an object, two broadcasts), and DDP's broadcast of the model's buffers before each
+    # training forward. 2 steps per pass, the same on every process.
+    assert [record["profile"]["broadcasts_per_pass"] for record in records] == [[3, 3]] * len(records)
+
+
 @pytest.mark.usefixtures("fresh_state")
 def test_profile_with_the_handlers_options_or_its_own(tmp_path):
     handler = unison.ProfileKwargs(

@@ -14,7 +14,7 @@ Usage: accelerate_style_worker.py OUT_DIR. Each rank writes OUT_DIR/rank{R}.json
 - "join": join_uneven_inputs over a DDP model with even_batches=False and 2n + 1 batches, against a
   one-process reference of what torch's Join computes; and the layouts it refuses;
 - "profile": the trace files every process sees after profile() with output_trace_dir, and the aten ops
-  of its own trace;
+  of its own trace; the broadcasts profile() counts in each pass of a loop (broadcasts_per_pass);
 - "sync_in_backward": trigger_sync_in_backward after forwards under no_sync (the gradients' mean over the
   processes), unwrap_model of a model compiled before prepare(), should_save_model;
 - "local_sgd": LocalSGD's cases and refusal (local_sgd_case.py, whose reference the test computes);
@@ -79,6 +79,41 @@ def reference(dataset: TensorDataset) -> nn.Module:
         scheduler.step()
         optimizer.zero_grad()
     return model
+
+
+class Scaled(nn.Module):
+    """make_model's network times a buffer, which DDP broadcasts from process 0 before each training
+    forward (broadcast_buffers=True, as BERT's position_ids are)."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = make_model()
+        self.register_buffer("scale", torch.ones(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.inner(x) * self.scale
+
+
+def broadcasts_per_pass(accelerator: Accelerator) -> list[int]:
+    """The c10d::broadcast_ calls a profile() sees in each of two passes of 2 steps over a shuffled loader
+    (Accelerate's examples/by_feature/profiler.py counts them in its table): the loader agrees on process
+    0's generator states in one broadcast per pass, DDP broadcasts the buffer once per step. A first pass
+    runs unprofiled: DDP rebuilds its buckets once, at the second forward (two more broadcasts)."""
+    model = accelerator.prepare(Scaled())
+    rows = make_data(4 * accelerator.num_processes)
+    shuffled = accelerator.prepare(DataLoader(rows, batch_size=2, shuffle=True))
+
+    def one_pass() -> None:
+        for x, y in shuffled:
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+
+    one_pass()
+    counts = []
+    for _ in range(2):
+        with accelerator.profile(ProfileKwargs(activities=["cpu"])) as prof:
+            one_pass()
+        counts.append(sum(event.count for event in prof.key_averages() if event.key == "c10d::broadcast_"))
+    return counts
 
 
 def main() -> None:
@@ -327,6 +362,7 @@ def main() -> None:
         "ops": sorted(
             {event["name"] for event in own["traceEvents"] if event.get("name", "").startswith("aten::")}
         ),
+        "broadcasts_per_pass": broadcasts_per_pass(profiled),
     }
 
     # trigger_sync_in_backward: two forwards under no_sync, the first backward local, the second synchronised;

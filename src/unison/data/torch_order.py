@@ -4,7 +4,7 @@ At every pass a plain DataLoader first draws its base seed (which seeds its work
 `generator`, else from the global torch RNG; then, at the first batch, its RandomSampler draws the
 permutation: from the sampler's own generator, else from a fresh generator seeded by one more draw of
 the global RNG. A script moved to unison must see that very order, so the default prepared loader
-replays these draws in this order, from process 0's generator states (broadcast once per pass, so
+replays these draws in this order, from process 0's generator states (one broadcast per pass, so
 processes seeded differently still agree), and leaves every generator where plain PyTorch would: the
 global RNG of each process advanced by its own draws, a user's generator in process 0's state after
 the pass. The pass's starting states go into the loader's state_dict, so a resumed pass replays the
@@ -121,7 +121,7 @@ class PassDraws:
         shuffle_source = self._shuffle_source
         if shuffle_source is not None and all(shuffle_source is not s for s in sources):
             sources.append(shuffle_source)
-        agreed = process_0_states([source.get_state() for source in sources])
+        agreed = process_0_generator_states([source.get_state() for source in sources])
         replicas = [_replica(state) for state in agreed]
 
         def replica_of(source: torch.Generator) -> torch.Generator:
@@ -143,6 +143,18 @@ class PassDraws:
             if source is not torch.default_generator:
                 source.set_state(replica.get_state())
         return PassStates(base_state, shuffle_state)
+
+
+def process_0_generator_states(states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Process 0's generator states (`Generator.get_state()`), on every process: ONE broadcast per pass,
+    as Accelerate's synchronize_rng_state sends its generator's state (process_0_states would send two:
+    the pickled size, then the bytes). Every process knows the sizes already, from its own generators of
+    the same kinds (a CPU generator's state is 5056 bytes, a CUDA one's 16)."""
+    if PartialState().num_processes == 1 or not states:
+        return states
+    flat = torch.cat([state.reshape(-1) for state in states])
+    ops.broadcast(flat, from_process=0)
+    return [part.clone() for part in flat.split([state.numel() for state in states])]
 
 
 def process_0_states(states: list[Any]) -> list[Any]:
