@@ -428,7 +428,7 @@ def test_availability_probes_answer_from_torch_and_the_installed_packages(monkey
 def test_every_probe_answers_truthfully_and_versions_compare_as_accelerates():
     import importlib.util
 
-    from unison.accelerate_names import HOMES
+    from unison.accelerate_surface.names import HOMES
 
     probes = [
         name

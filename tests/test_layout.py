@@ -25,7 +25,7 @@ PACKAGE = Path(unison.__file__).parent
 ARCHITECTURE = Path(__file__).resolve().parents[1] / "docs" / "architecture.md"
 
 # The training loop: the top of the core, which plans (planning) and reports (observing).
-LOOP = {"unison.accelerator", "unison.preparation"}
+LOOP = {"unison.accelerator", "unison.preparation", "unison.local_sgd"}
 # Public import paths that re-export names from the wings below them.
 FACADE = {"unison", "unison.utils", "unison.throughput"}
 WINGS = ("health", "core", "planning", "observing", "loop", "launching", "facade", "commands")

@@ -5,9 +5,9 @@ Every table row names Accelerate 1.15 names (first column) and a verdict (second
 arguments, state members, `unison` / `unison.utils` names, `unison launch` flags); rows marked
 `not applicable` or `not yet` must not, so the page is corrected when someone adds one, except the
 names of Accelerate's modules (`accelerate`, `accelerate.utils`, ...): those import anyway, as stand-ins
-that raise the row's note when used (unison/accelerate_names.py holds the same notes). Every public
+that raise the row's note when used (unison/accelerate_surface/names.py holds the same notes). Every public
 name of unison's Accelerator, `unison` and `unison.utils` must appear on the page, and every name of
-the Accelerate 1.15 inventory (generated: unison/accelerate_inventory.py; frozen below for the
+the Accelerate 1.15 inventory (generated: unison/accelerate_surface/inventory.py; frozen below for the
 Accelerator, the state classes and the launch flags) must have a row, so neither side can drift
 silently. The page's Python examples run as written.
 """
@@ -28,8 +28,8 @@ from launching import REPO_ROOT
 import unison
 import unison.utils
 from unison import Accelerator, GradientState, PartialState, env_vars
-from unison.accelerate_inventory import ACCELERATE_VERSION, PUBLIC_NAMES
-from unison.accelerate_names import NOTE_OF, NotInUnisonError, accelerate_names, is_stand_in
+from unison.accelerate_surface.inventory import ACCELERATE_VERSION, PUBLIC_NAMES
+from unison.accelerate_surface.names import NOTE_OF, NotInUnisonError, accelerate_names, is_stand_in
 from unison.commands.main import build_parser
 
 PAGE = REPO_ROOT / "docs" / "migrating-from-accelerate.md"
@@ -319,7 +319,7 @@ def test_state_rows(accelerator):
 
 def _check_stand_in(module: object, name: str, row: Row) -> None:
     """`module.name` imports, is a stand-in whose use raises the row's note, and is Accelerate's kind."""
-    assert NOTE_OF.get(name) == (row.verdict, row.note), f"line {row.line}: accelerate_names.CATALOGUE's note"
+    assert NOTE_OF.get(name) == (row.verdict, row.note), f"line {row.line}: names.CATALOGUE's note"
     stand_in = getattr(module, name)
     assert is_stand_in(stand_in), f"{module.__name__}.{name} is marked {row.verdict} but is real"
     with pytest.raises(NotInUnisonError) as raised:

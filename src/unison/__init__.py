@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .accelerate_names import mirror
+from .accelerate_surface.names import mirror
 
 if TYPE_CHECKING:
     from .accelerator import Accelerator

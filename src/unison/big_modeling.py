@@ -21,7 +21,7 @@ from torch.nn.modules.module import (
     register_module_parameter_registration_hook,
 )
 
-from .accelerate_names import mirror
+from .accelerate_surface.names import mirror
 from .parallel.init_replay import BuildNotes
 
 # Accelerate's value (the layers its layerwise casting upcasts); unison has no such hooks

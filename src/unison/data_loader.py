@@ -2,7 +2,7 @@
 accelerate.data_loader import DataLoaderShard` becomes `from unison.data_loader import DataLoaderShard`.
 
 Re-exports only: the loaders live in `unison.data`. Its other names (Accelerate's internal adapters,
-probes, `SkipDataLoader`) import too, through accelerate_names.py: probes answer, the rest raise
+probes, `SkipDataLoader`) import too, through accelerate_surface/names.py: probes answer, the rest raise
 when used with why and what to use instead.
 """
 
@@ -21,7 +21,7 @@ from .logging import get_logger
 from .ops import broadcast, broadcast_object_list, concatenate, send_to_device
 from .state import DistributedType, GradientState, PartialState
 
-from .accelerate_names import mirror  # isort: skip (after the imports: it serves what they do not)
+from .accelerate_surface.names import mirror  # isort: skip (after the imports: it serves what they do not)
 
 __getattr__, __dir__, _more_names = mirror(__name__, globals())
 

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from . import env_vars, network
-from .accelerate_names import mirror
+from .accelerate_surface.names import mirror
 from .env_vars import DEFAULT_FIRST_STEP_TIMEOUT_SECONDS, DEFAULT_TIMEOUT_SECONDS, validate_mixed_precision
 from .environment import ProcessLayout, detect_layout
 from .health.failure import end_fast_on_uncaught_error

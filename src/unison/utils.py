@@ -1,7 +1,7 @@
 """What scripts import from `accelerate.utils`, under the same names: `from accelerate.utils import X`
 becomes `from unison.utils import X`. Re-exports only; each name lives in the module that owns it.
 
-Every other public name of `accelerate.utils` imports too (accelerate_names.py): the probes and
+Every other public name of `accelerate.utils` imports too (accelerate_surface/names.py): the probes and
 constants work, and a name with no meaning in unison raises, when used, why and what to do instead.
 `__all__` (and so `import *`) holds the working names."""
 
@@ -49,7 +49,7 @@ from .plugins import DeepSpeedPlugin, FullyShardedDataParallelPlugin
 from .random import set_seed
 from .state import DistributedType, wait_for_everyone
 
-from .accelerate_names import mirror  # isort: skip (after the imports: it serves what they do not)
+from .accelerate_surface.names import mirror  # isort: skip (after the imports: it serves what they do not)
 
 __getattr__, __dir__, _more_names = mirror(__name__, globals())
 

@@ -14,7 +14,7 @@ line must never be where it stops: `from unison.utils import GPTTrainStep` works
   what to do instead (`CATALOGUE`; docs/migrating-from-accelerate.md lists the same notes).
 
 A stand-in for a class is a class: `isinstance(x, DummyOptim)` is False and `x: DummyOptim` is a valid
-hint, since neither uses it. The names come from the generated inventory (accelerate_inventory.py); each
+hint, since neither uses it. The names come from the generated inventory (inventory.py); each
 mirror module (`unison`, `unison.utils`, `unison.state`, ...) serves the ones it does not define through
 PEP 562's module `__getattr__` (`mirror()` below), so importing it stays as cheap as before, `dir()`
 lists every name it serves, and `from unison.utils import *` takes the working names only (`__all__`),
@@ -27,7 +27,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, NoReturn
 
-from .accelerate_inventory import PUBLIC_NAMES
+from .inventory import PUBLIC_NAMES
 
 GUIDE = "docs/migrating-from-accelerate.md"
 
