@@ -2,6 +2,6 @@
 
 import sys
 
-from .commands.main import main
+from .commands.main import console_main
 
-sys.exit(main())
+sys.exit(console_main())
