@@ -49,6 +49,30 @@ def fresh_state(monkeypatch):
         state._shared_state.update(shared)
 
 
+# --- order: the longest files first -----------------------------------------------------------------
+
+LONGEST_FIRST = (
+    "test_combination_matrix.py",
+    "test_strategies.py",
+    "test_plugins.py",
+    "test_launch.py",
+    "test_resume_every_step.py",
+    "test_expert_parallel.py",
+    "test_state.py",
+)
+"""The files that took longest (seconds of wall, docs/test-suite.md), started first: pytest-xdist hands
+whole files to its workers in collection order, and a long file started last holds one worker busy
+while the other has nothing left to run."""
+
+
+def pytest_collection_modifyitems(config, items):
+    def rank(item) -> int:
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: the other files, and the tests within a file, keep their order
+
+
 # --- time budgets (tests/slowness.py) ---------------------------------------------------------------
 
 
