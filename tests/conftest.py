@@ -53,7 +53,6 @@ def fresh_state(monkeypatch):
 
 LONGEST_FIRST = (
     "test_combination_matrix.py",
-    "test_strategies.py",
     "test_plugins.py",
     "test_launch.py",
     "test_resume_every_step.py",

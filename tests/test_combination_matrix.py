@@ -1,14 +1,20 @@
-"""The combination matrix: precision x layout x the loop's conditions, each cell equal to one process or
-refused up front, and docs/matrix.md's table generated from what these launches measured.
+"""Every layout through the ordinary loop, and the combination matrix: precision x layout x the loop's
+conditions, each cell equal to one process or refused up front; docs/matrix.md's table is generated from
+what these launches measured.
 
-Four launches of tests/workers/matrix_worker.py: 2 processes (every 1-D layout), 4 (the 2-D layouts),
-8 (the 3-D one) and one plain process that resumes every checkpoint the others saved. Each (layout,
+One launch of tests/workers/layouts_worker.py per world size: 2 processes (every 1-D layout), 4 (the 2-D
+layouts), 8 (the 3-D one), and one plain process that resumes every checkpoint the launches saved. In
+each launch, first the strategies (tests/workers/strategy_worker.py): a tiny GPT under each layout of
+that size in four runs (SGD+momentum, SGD with accumulation 2, AdamW, summed token losses with
+num_items; each with clipping and a scheduler that changes the rate every step), the consolidated
+parameters compared with a single-process reference computed in the worker, the per-rank bytes of the
+AdamW run with design.md §3's formulas. Then the matrix (tests/workers/matrix_worker.py): each (layout,
 precision) trains the tiny GPT through the ordinary loop (clipping, accumulation 2, a rate that changes
-every step, a short last batch) on a model built normally and on one built on the meta device, against
-one process of plain torch computed in the same launch.
+every step, a short last batch) on a model built normally, on one built on the meta device and with LoRA
+adapters, against one process of plain torch computed in the same launch.
 
-Tolerances: fp32 with SGD + momentum within 1e-5 (docs/combinations.md; measured 1.5e-8 .. 1.2e-7). In
-bf16 and fp16 any two correct runs differ by about as much as the half precision changes one process
+Matrix tolerances: fp32 with SGD + momentum within 1e-5 (docs/combinations.md; measured 1.5e-8 .. 1.2e-7).
+In bf16 and fp16 any two correct runs differ by about as much as the half precision changes one process
 (another split sums other roundings), so the bound is that change, measured in the same launch: within
 2x of one process in the same precision, and no further from one process in fp32 than 1.5x.
 
@@ -19,12 +25,16 @@ docs/matrix.md from the measurements; without it the test fails when the table a
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 
 import pytest
 from generated_docs import check_or_write
 from launching import REPO_ROOT, WORKERS, describe, launch_ok, run
+
+from unison.planning.memory import PRECISIONS as MEMORY_PRECISIONS
+from unison.planning.memory import model_state_bytes
 
 LAYOUTS = {
     2: ("ddp", "zero1", "zero2", "zero3", "tp_size=2", "pp_size=2", "cp_size=2"),
@@ -50,22 +60,85 @@ LEAST_LORA_NOISE = {"bf16": 2e-5, "fp16": 3e-6}
 # combination runs (fp16 under pipelines, the last refusal, runs since the scaler agrees across ranks).
 REFUSED: dict[tuple[str, str], str] = {}
 FP32_TOLERANCE = 1e-5
+
+# layout (a parallelism= string) -> (data-parallel memory formula, devices it divides by, model split):
+# tensor and pipeline parallel first divide the model by their degrees (the split), the data-parallel
+# formula then applies to that part.
+STRATEGY_LAYOUTS = {
+    2: {
+        "ddp": ("ddp", 2, 1),
+        "zero1": ("zero1", 2, 1),
+        "zero2": ("zero2", 2, 1),
+        "zero3": ("zero3", 2, 1),
+        "tp_size=2": ("single", 1, 2),
+        "tp_size=2,sequence_parallel=true": ("single", 1, 2),
+        "tp_size=2,loss_parallel=true": ("single", 1, 2),
+        "pp_size=2": ("single", 1, 2),
+        "pp_size=2,pp_schedule=gpipe,pp_microbatches=4": ("single", 1, 2),
+        # 4 stages on 2 ranks (the worker gives this layout a 4-block GPT)
+        "pp_size=2,pp_schedule=interleaved,pp_microbatches=2": ("single", 1, 2),
+    },
+    4: {
+        "ddp": ("ddp", 4, 1),
+        "zero1": ("zero1", 4, 1),
+        "zero2": ("zero2", 4, 1),
+        "zero3": ("zero3", 4, 1),
+        # HSDP: replicas over dp_replicate, each sharded over its dp_shard group of 2
+        "dp_replicate_size=2,dp_shard_size=2": ("zero3", 2, 1),
+        "dp_replicate_size=2,dp_shard_size=2,zero_stage=2": ("zero2", 2, 1),
+        "dp_replicate_size=2,dp_shard_size=2,zero_stage=1": ("zero1", 2, 1),
+        # dp x tp: FSDP2 over the data-parallel dim of a tensor-parallel model (DDP cannot wrap DTensors);
+        # replicas and ZeRO-1 run as FSDP2 ZeRO-2 there (same arithmetic, gradients reduce-scattered)
+        "dp_shard_size=2,tp_size=2": ("zero3", 2, 2),
+        "dp_shard_size=2,tp_size=2,zero_stage=2": ("zero2", 2, 2),
+        "dp_shard_size=2,tp_size=2,zero_stage=1": ("zero2", 2, 2),
+        "dp_replicate_size=2,tp_size=2": ("zero2", 2, 2),
+        "pp_size=2,dp_shard_size=2": ("zero3", 2, 2),
+        # pipelines are measured after the schedule's backward, when FSDP2 has resharded the parameters
+        "pp_size=2,dp_replicate_size=2": ("zero3", 2, 2),
+        "pp_size=2,tp_size=2": ("single", 1, 4),
+    },
+    8: {
+        # 3-D, and ZeRO-1 with PP + TP as the guide recommends (FSDP2 ZeRO-2 under TP, see above)
+        "pp_size=2,dp_shard_size=2,tp_size=2": ("zero3", 2, 4),
+        "pp_size=2,dp_shard_size=2,tp_size=2,zero_stage=1": ("zero3", 2, 4),
+    },
+}
+STRATEGY_TOLERANCE = {"sgd": 1e-5, "sgd_acc2": 1e-5, "items_acc2": 1e-5, "adamw": 1e-4}
+STRATEGY_CASES = [(world, layout) for world, layouts in STRATEGY_LAYOUTS.items() for layout in layouts]
 DOC = REPO_ROOT / "docs" / "matrix.md"
 START, END = "<!-- matrix: generated by tests/test_combination_matrix.py -->", "<!-- end of matrix -->"
 
 
+# One launch per world size, strategies and matrix together: 2 processes 45 s, 4: 150 s, 8: 110 s, the
+# resume 60 s, on the 2-core machine beside the rest of the suite.
+pytestmark = pytest.mark.timeout(1200)
+
+
 @pytest.fixture(scope="module")
-def matrix(tmp_path_factory) -> dict:
-    """Every cell's record, keyed LAYOUT/PRECISION/CONDITION, and under "processes" the process count
-    of each layout."""
+def launches(tmp_path_factory) -> dict:
+    """{"matrix": every cell's record keyed LAYOUT/PRECISION/CONDITION, and under "processes" the process
+    count of each layout; "strategies": world size -> the strategy worker's report}."""
     out = tmp_path_factory.mktemp("matrix")
     checkpoints = out / "checkpoints"
     report: dict = {"processes": {}}
-    for nproc, layouts in LAYOUTS.items():
-        launch_ok(WORKERS / "matrix_worker.py", nproc, "train", out / f"{nproc}.json", checkpoints, *layouts)
-        measured = json.loads((out / f"{nproc}.json").read_text())
-        report.update(measured)
-        report["processes"].update({layout: nproc for layout in layouts})
+    strategies: dict = {}
+    for nproc in sorted(set(LAYOUTS) | set(STRATEGY_LAYOUTS)):
+        launch_ok(
+            WORKERS / "layouts_worker.py",
+            nproc,
+            out / f"strategies{nproc}.json",
+            out / f"{nproc}.json",
+            checkpoints,
+            "--strategies",
+            *STRATEGY_LAYOUTS.get(nproc, ()),
+            "--matrix",
+            *LAYOUTS.get(nproc, ()),
+            timeout=900,
+        )
+        strategies[nproc] = json.loads((out / f"strategies{nproc}.json").read_text())
+        report.update(json.loads((out / f"{nproc}.json").read_text()))
+        report["processes"].update({layout: nproc for layout in LAYOUTS.get(nproc, ())})
     resumed = run(
         [sys.executable, "matrix_worker.py", "resume", out / "resume.json", *sorted(checkpoints.iterdir())],
         cwd=WORKERS,
@@ -74,7 +147,17 @@ def matrix(tmp_path_factory) -> dict:
     )
     assert resumed.returncode == 0, describe(resumed)
     report.update(json.loads((out / "resume.json").read_text()))
-    return report
+    return {"matrix": report, "strategies": strategies}
+
+
+@pytest.fixture(scope="module")
+def matrix(launches) -> dict:
+    return launches["matrix"]
+
+
+@pytest.fixture(scope="module")
+def strategies(launches) -> dict:
+    return launches["strategies"]
 
 
 def expected_refusal(layout: str, precision: str) -> str | None:
@@ -141,3 +224,86 @@ def cell_text(matrix: dict, layout: str, precision: str) -> str:
 
 def test_the_documented_matrix_is_the_measured_one(matrix):
     check_or_write(DOC, START, END, render_table(matrix), "UNISON_WRITE_MATRIX")
+
+
+# --- the strategies: each layout's four runs ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("world, layout", STRATEGY_CASES)
+def test_parameters_match_the_single_process_reference(strategies, world, layout):
+    runs = strategies[world]["layouts"][layout]["runs"]
+    for name, record in runs.items():
+        assert record["keys_match"], (layout, name)
+        assert record["max_abs_diff"] < STRATEGY_TOLERANCE[name], (layout, name, record["max_abs_diff"])
+
+
+@pytest.mark.parametrize("world, layout", STRATEGY_CASES)
+def test_the_learning_rate_schedule_drives_every_layout(strategies, world, layout):
+    """A scheduler built on the user's optimizer before prepare() sets the rate of every real step
+    (ZeRO-1 rebuilds the optimizer: it used to step at the initial rate forever)."""
+    for name, record in strategies[world]["layouts"][layout]["runs"].items():
+        initial = 1e-2 if name == "adamw" else 0.5
+        steps = range(strategies[world]["steps"])
+        assert record["rates"] == pytest.approx([initial * 0.8**step for step in steps]), (layout, name)
+
+
+@pytest.mark.parametrize("world, layout", STRATEGY_CASES)
+def test_clip_grad_norm_returns_the_whole_models_norm(strategies, world, layout):
+    """accelerator.clip_grad_norm_ over sharded, split or replicated gradients: the reference's norm."""
+    for name, record in strategies[world]["layouts"][layout]["runs"].items():
+        assert record["norms"] == pytest.approx(record["expected_norms"], rel=1e-5), (layout, name)
+
+
+@pytest.mark.parametrize("world, layout", STRATEGY_CASES)
+def test_gather_for_metrics_counts_each_evaluation_sample_once(strategies, world, layout):
+    """Tensor-parallel and pipeline peers read the same batches; gathering keeps one copy of each."""
+    evaluation = strategies[world]["layouts"][layout]["runs"]["sgd"]["eval"]
+    assert sorted(evaluation["tensors"]) == list(range(11)), evaluation
+    assert sorted(evaluation["objects"]) == list(range(11)), evaluation
+
+
+@pytest.mark.parametrize("world, layout", STRATEGY_CASES)
+def test_reduce_and_gather_count_each_data_parallel_rank_once(strategies, world, layout):
+    """As gather_for_metrics does: tensor-parallel and pipeline peers hold copies of one dp rank's value."""
+    evaluation = strategies[world]["layouts"][layout]["runs"]["sgd"]["eval"]
+    dp = evaluation["dp_size"]
+    assert evaluation["gathered_dp_ranks"] == [float(rank) for rank in range(dp)], evaluation
+    assert evaluation["reduced"] == {"sum": dp * (dp + 1) / 2, "mean": (dp + 1) / 2, "max": dp}, evaluation
+
+
+@pytest.mark.parametrize("world, layout", STRATEGY_CASES)
+def test_per_rank_memory_follows_the_design_formulas(strategies, world, layout):
+    """fp32 AdamW: parameters + gradients + optimizer state per rank within 5% of design.md §3."""
+    fp32 = next(p for p in MEMORY_PRECISIONS if p.name == "fp32")
+    strategy, devices, tp = STRATEGY_LAYOUTS[world][layout]
+    psi = math.ceil(strategies[world]["layouts"][layout]["parameters"] / tp)
+    expected = model_state_bytes(strategy, fp32, psi, psi, devices)
+    # Pipeline stages are split by blocks, and the tied embedding lives on the first and the last stage
+    # (as in Megatron), so stages differ from an exact 1/P by a few percent; the issue's 5% is for the rest.
+    tolerance = 0.075 if "pp_size" in layout else 0.05
+    for rank, memory in enumerate(strategies[world]["layouts"][layout]["memory_per_rank"]):
+        measured = (memory["params"], memory["grads"], memory["optimizer"])
+        assert abs(sum(measured) - sum(expected)) <= tolerance * sum(expected), (
+            layout,
+            rank,
+            measured,
+            expected,
+        )
+        for got, want in zip(measured, expected, strict=True):
+            # ZeroRedundancyOptimizer splits by whole tensors, and TP replicates norms and biases of its
+            # row-parallel layers, so one part may be a little off
+            assert abs(got - want) <= (tolerance + 0.02) * want, (layout, rank, measured, expected)
+
+
+def test_each_layout_runs_on_the_engine_it_names(strategies):
+    engines = {
+        layout: {record["engine"] for record in entry["runs"].values()}
+        for world in STRATEGY_LAYOUTS
+        for layout, entry in strategies[world]["layouts"].items()
+    }
+    assert engines["ddp"] == engines["zero1"] == {"DistributedDataParallel"}
+    assert engines["zero2"] == engines["zero3"] == {"FSDPGPT"}
+    assert engines["dp_replicate_size=2,dp_shard_size=2"] == {"FSDPGPT"}
+    assert engines["tp_size=2"] == {"GPT"}  # tensor parallel alone: the user's module, DTensor inside
+    assert engines["dp_replicate_size=2,tp_size=2"] == {"FSDPGPT"}
+    assert engines["pp_size=2,dp_shard_size=2,tp_size=2"] == {"PipelineModel"}

@@ -1,6 +1,6 @@
-"""Launched worker: the combination matrix, precision x layout x {the loop's conditions}, in one launch.
+"""The combination matrix, precision x layout x {the loop's conditions}, in one launch per world size.
 
-For each layout named on the command line and each precision (fp32, bf16, fp16), the ordinary loop
+For each layout it is given and each precision (fp32, bf16, fp16), the ordinary loop
 (prepare, accumulate 2, forward_backward, clip_grad_norm_, a rate that changes every step, a loader whose
 last batch is short: 18 samples in global micro-batches of 4, so the 3rd window holds one batch of 2) runs
 three times: on a model built normally, saving a checkpoint after optimizer step RESUME_AT; on the same
@@ -11,10 +11,10 @@ fp16), computed here, and with plain torch in fp32: what the half precision alon
 the tolerance is taken from.
 
 A construction or prepare() that refuses the combination is recorded (the message every rank got); an
-error later, mid-training, is no refusal and ends the launch. `resume` mode (one process, no launcher)
-loads each checkpoint the launches saved and trains to the end: a resume on another world size.
-
-argv: `train REPORT CHECKPOINTS LAYOUT...` or `resume REPORT CHECKPOINT_DIR...`; process 0 writes REPORT.
+error later, mid-training, is no refusal and ends the launch. `train_mode` runs in the launch of
+tests/workers/layouts_worker.py; `resume` mode (`python matrix_worker.py resume REPORT CHECKPOINT_DIR...`,
+one process, no launcher) loads each checkpoint the launches saved and trains to the end: a resume on
+another world size. Process 0 writes REPORT.
 """
 
 from __future__ import annotations
@@ -279,10 +279,8 @@ def resume_mode(report_path: Path, checkpoints: list[Path]) -> None:
 
 def main() -> None:
     mode, report_path = sys.argv[1], Path(sys.argv[2])
-    if mode == "train":
-        train_mode(report_path, Path(sys.argv[3]), sys.argv[4:])
-    else:
-        resume_mode(report_path, [Path(p) for p in sys.argv[3:]])
+    assert mode == "resume", "train mode runs in tests/workers/layouts_worker.py's launch"
+    resume_mode(report_path, [Path(p) for p in sys.argv[3:]])
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""Launched worker: the ordinary unison training loop under each parallel layout, against one process.
+"""The ordinary unison training loop under each parallel layout, against one process.
 
 For every layout named on the command line (a `parallelism=` string) the script trains a tiny GPT
 (examples/gpt/model.py) for STEPS optimizer steps through `Accelerator(parallelism=...)`, `prepare`,
@@ -13,13 +13,13 @@ Memory (the AdamW run, fp32): per-rank bytes of parameters + gradients + optimiz
 rank, read from the local shards; parameters are counted between the last forward and its backward
 (what ZeRO-2 holds gathered), gradients and optimizer state after the step.
 
-Process 0 writes a JSON report to the path given as the first argument; the layouts follow it.
+`run_layouts` is called by tests/workers/layouts_worker.py, in the launch it shares with the combination
+matrix; process 0 writes a JSON report.
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import torch
@@ -188,8 +188,8 @@ def train(layout: str, optimizer_name: str, accumulation: int, summed: bool) -> 
     return result
 
 
-def main() -> None:
-    out, layouts = Path(sys.argv[1]), sys.argv[2:]
+def run_layouts(out: Path, layouts: list[str]) -> None:
+    """Every layout's four runs; process 0 writes the report to `out`."""
     state = PartialState(cpu=True)
     report: dict = {"world": state.num_processes, "steps": STEPS, "layouts": {}}
     for layout in layouts:
@@ -200,7 +200,3 @@ def main() -> None:
         report["layouts"][layout] = {"runs": runs, "memory_per_rank": memories, "parameters": parameters}
     if state.is_main_process:
         out.write_text(json.dumps(report, indent=1))
-
-
-if __name__ == "__main__":
-    main()
