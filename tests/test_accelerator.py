@@ -95,6 +95,8 @@ def test_gather_for_metrics_after_the_loop_returns_each_sample_once(results):
         assert shapes["one_row_short"] == n * (after["shard"]["rows_here"] - 1)
         assert after["nested"] == dataset
         assert after["one_after_the_other"] == [dataset, list(range(16))]
+        rows = after["shard"]["rows_here"]
+        assert after["unprepared_after_per_batch"] == [n * rows, n * rows]  # every row of every process
 
 
 def test_gather_for_metrics_after_two_loops_of_one_length_keeps_all_rows_and_warns_once(results):

@@ -63,6 +63,7 @@ class CollectiveMethods:
             data = self.gather(input_data)
         remainder = self.gradient_state.remainder
         if self.gradient_state.end_of_dataloader and remainder >= 0:  # a loader's last batch
+            self.gradient_state.active_dataloader.last_batch_gathered = True  # its pass leaves no repeats
             if as_objects:  # one list of every process's items: the padding is at its end
                 return data[:remainder]
             return ops.slice_tensors(data, slice(0, remainder))  # each tensor's rows, in any structure

@@ -202,7 +202,7 @@ class Stream(IterableDataset):
 def gather_after_the_loop() -> dict:
     """gather_for_metrics once after the loop on each process's concatenated results, whose last rows
     repeat the epoch's start (13 rows, batches of 2): the single-process truth is the dataset itself.
-    Every way of dealing the data, per-batch calls in the same loop, lengths that fit no pass, a loop
+    Every way of dealing the data, per-batch calls (a pass of their own), lengths that fit no pass, a loop
     nested in another, and two loaders whose passes held as many rows per process (one warning)."""
     accelerator = Accelerator(cpu=True)
     n = accelerator.num_processes
@@ -212,13 +212,15 @@ def gather_after_the_loop() -> dict:
     logging.getLogger("unison").addHandler(handler)
     gather_rows = accelerator.gather_for_metrics
 
-    def evaluate(loader) -> tuple[torch.Tensor, list[int]]:
-        """This process's rows concatenated; the per-batch gather_for_metrics rows, in order."""
+    def evaluate(loader, each_batch: bool = False) -> tuple[torch.Tensor, list[int]]:
+        """This process's rows concatenated; with `each_batch`, the per-batch gather_for_metrics rows, in
+        order (a pass gathered so leaves nothing for a gather after the loop to drop)."""
         local, per_batch = [], []
         for batch in loader:
             rows = batch[0] if isinstance(batch, list) else batch
             local.append(rows)
-            per_batch += gather_rows(rows)[:, 0].int().tolist()
+            if each_batch:
+                per_batch += gather_rows(rows)[:, 0].int().tolist()
         return torch.cat(local), per_batch
 
     def ints(rows: torch.Tensor) -> list[int]:
@@ -233,8 +235,15 @@ def gather_after_the_loop() -> dict:
     }
     result: dict = {}
     for name, loader in loaders.items():
-        local, per_batch = evaluate(loader)
-        result[name] = {"rows_here": len(local), "after": ints(gather_rows(local)), "per_batch": per_batch}
+        local, _ = evaluate(loader)
+        after = ints(gather_rows(local))
+        result[name] = {"rows_here": len(local), "after": after, "per_batch": evaluate(loader, True)[1]}
+    # Accelerate's by_feature/cross_validation.py: an unprepared loader, each process reading every row,
+    # gathered per batch after a prepared loader's pass gathered per batch: batches of as many rows as
+    # that pass held per process are not its repeats (they lost rows before: 2 processes, 32 of 64)
+    rows = result["shard"]["rows_here"]
+    unprepared = DataLoader(TensorDataset(torch.arange(2.0 * rows)[:, None]), batch_size=rows)
+    result["unprepared_after_per_batch"] = [gather_rows(batch).shape[0] for (batch,) in unprepared]
     local, _ = evaluate(loaders["shard"])
     result["shapes"] = {  # a structure, a list of objects, then lengths that fit no pass: gathered whole
         "structure": {k: ints(v) for k, v in gather_rows({"pred": local, "label": local + 100}).items()},

@@ -169,6 +169,7 @@ class PreparedDataLoader(DataLoader):
         self.gradient_state = GradientState()
         self.end_of_dataloader = False
         self.remainder = -1
+        self.last_batch_gathered = False  # gather_for_metrics dropped the final round's repeats itself
         # The loader's own generator (see the module docstring). Without a shuffle seed to derive it
         # from, the user's generator's seed decides it, else torch's initial seed (set_seed sets it).
         user_generator = loader_kwargs.get("generator")
@@ -408,9 +409,12 @@ class PreparedDataLoader(DataLoader):
 
     def _note_completed_pass(self, batches: int) -> None:
         """What this complete pass of `batches` batches dealt each process, for gather_for_metrics after
-        the loop (see top_ups); a pass dealt unevenly or of unknown sizes is not noted."""
+        the loop (see top_ups); a pass dealt unevenly or of unknown sizes is not noted, nor one whose last
+        batch gather_for_metrics already gathered: its repeats are dropped, and a later gather of rows of
+        the same length (another loader's, unprepared) must not lose rows by matching it."""
         deal = self._even_deal()
-        record = None if deal is None else completed_pass(batches, *deal, self.remainder)
+        noted = deal is not None and not self.last_batch_gathered
+        record = completed_pass(batches, *deal, self.remainder) if noted else None
         note_pass(self.gradient_state.completed_passes, self, record)
 
     def _place(self, batch: Any) -> Any:
@@ -438,6 +442,7 @@ class PreparedDataLoader(DataLoader):
         synchronize_rng_states(self.rng_types, self.generator)
         self.end_of_dataloader = False
         self.remainder = -1
+        self.last_batch_gathered = False
         if self.unjoined_warning is not None and not self.joined:
             if PartialState().is_main_process:  # every process would say the same
                 logger.warning(self.unjoined_warning)
