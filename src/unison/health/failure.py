@@ -72,8 +72,9 @@ def end_fast_on_uncaught_error(rank: str, watchdog: Watchdog | None) -> None:
             watchdog.failed = True
             if not first:
                 watchdog.await_exit_of()  # the failed rank's exit handlers run before the agent stops it
-        # Returning lets the interpreter exit with status 1 the normal way, running atexit handlers (the
-        # watchdog's, which runs after the user's, then ends the process without the teardown).
+        # Returning lets the interpreter exit with status 1 the normal way, running atexit handlers: the
+        # watchdog's runs after those registered later (the user's, once the state exists), then ends the
+        # process without the teardown, so handlers registered before the state was formed do not run.
 
     sys.excepthook = hook
 
